@@ -1,0 +1,1 @@
+"""The VM agent: watches IMDS Scheduled Events, publishes every transition, applies approvals."""
