@@ -1,0 +1,116 @@
+"""The contract between the VM agents and the central services.
+
+- :mod:`schemas.imds`: the IMDS Scheduled Events document, every API version.
+- :mod:`schemas.transitions`: what changed between two documents (one pure function).
+- :mod:`schemas.messages`: the lifecycle messages (CloudEvents 1.0, structured JSON).
+- :mod:`schemas.approvals`: signed approvals, central service -> one VM.
+- :mod:`schemas.channels`: the channels on RabbitMQ and Service Bus.
+- :mod:`schemas.transport`: the transport interface and its implementations.
+"""
+
+from ._errors import (
+    ApprovalRejected,
+    ConfigError,
+    ImdsError,
+    ImdsThrottled,
+    PublishNotConfirmed,
+    RejectReason,
+    RelayError,
+    SchemaError,
+    TransportError,
+    VersionMismatch,
+)
+from .approvals import (
+    Approval,
+    key_id,
+    load_public_keys,
+    load_signing_key,
+    new_approval,
+    sign,
+    verify,
+)
+from .channels import (
+    DEFAULT_CHANNELS,
+    TYPE_PREFIX,
+    ChannelNames,
+    MessageType,
+    ReplyAddress,
+    routing_key,
+)
+from .identity import VmIdentity
+from .imds import (
+    API_VERSIONS,
+    DEFAULT_API_VERSION,
+    EventSource,
+    EventStatus,
+    EventType,
+    ScheduledEvent,
+    ScheduledEventsDocument,
+)
+from .messages import (
+    CLOUDEVENTS_CONTENT_TYPE,
+    AgentData,
+    AgentMessage,
+    ApprovalOutcomeData,
+    ApprovalOutcomeMessage,
+    HookResultData,
+    HookResultMessage,
+    LifecycleMessage,
+    TransitionData,
+    TransitionMessage,
+    UnknownMessageType,
+    decode,
+)
+from .transitions import Transition, TransitionKind, diff
+from .versioning import SCHEMA_VERSION, check_version
+
+__all__ = [
+    "API_VERSIONS",
+    "CLOUDEVENTS_CONTENT_TYPE",
+    "DEFAULT_API_VERSION",
+    "DEFAULT_CHANNELS",
+    "SCHEMA_VERSION",
+    "TYPE_PREFIX",
+    "AgentData",
+    "AgentMessage",
+    "Approval",
+    "ApprovalOutcomeData",
+    "ApprovalOutcomeMessage",
+    "ApprovalRejected",
+    "ChannelNames",
+    "ConfigError",
+    "EventSource",
+    "EventStatus",
+    "EventType",
+    "HookResultData",
+    "HookResultMessage",
+    "ImdsError",
+    "ImdsThrottled",
+    "LifecycleMessage",
+    "MessageType",
+    "PublishNotConfirmed",
+    "RejectReason",
+    "RelayError",
+    "ReplyAddress",
+    "ScheduledEvent",
+    "ScheduledEventsDocument",
+    "SchemaError",
+    "Transition",
+    "TransitionData",
+    "TransitionKind",
+    "TransitionMessage",
+    "TransportError",
+    "UnknownMessageType",
+    "VersionMismatch",
+    "VmIdentity",
+    "check_version",
+    "decode",
+    "diff",
+    "key_id",
+    "load_public_keys",
+    "load_signing_key",
+    "new_approval",
+    "routing_key",
+    "sign",
+    "verify",
+]

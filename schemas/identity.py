@@ -1,0 +1,65 @@
+"""Who a VM is, from ``/metadata/instance``: the name that appears in ``Resources`` and the rest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ._errors import SchemaError
+
+__all__ = ["VmIdentity"]
+
+
+def _as_int(value: object) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(str(value))
+    except ValueError:
+        return None
+
+
+class VmIdentity(BaseModel):
+    """A VM's identity. ``name`` is the compute name, as IMDS lists it in ``Resources``
+    (for a scale-set VM ``{scale-set}_{instance-id}``)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    name: str = Field(min_length=1)
+    vm_id: str = ""
+    resource_id: str = ""
+    subscription_id: str = ""
+    resource_group: str = ""
+    location: str = ""
+    scale_set: str | None = None
+    zone: str | None = None
+    fault_domain: int | None = None
+    update_domain: int | None = None
+
+    @classmethod
+    def from_instance_metadata(cls, document: object) -> VmIdentity:
+        """Build from the JSON of ``GET /metadata/instance`` (its ``compute`` section)."""
+        compute: Any = document.get("compute") if isinstance(document, dict) else None
+        if not isinstance(compute, dict) or not compute.get("name"):
+            raise SchemaError("the instance metadata has no compute.name")
+        try:
+            return cls(
+                name=str(compute["name"]),
+                vm_id=str(compute.get("vmId", "")),
+                resource_id=str(compute.get("resourceId", "")),
+                subscription_id=str(compute.get("subscriptionId", "")),
+                resource_group=str(compute.get("resourceGroupName", "")),
+                location=str(compute.get("location", "")),
+                scale_set=compute.get("vmScaleSetName") or None,
+                zone=compute.get("zone") or None,
+                fault_domain=_as_int(compute.get("platformFaultDomain")),
+                update_domain=_as_int(compute.get("platformUpdateDomain")),
+            )
+        except ValidationError as exc:
+            raise SchemaError(f"the instance metadata is not usable: {exc}") from exc
+
+    @property
+    def source(self) -> str:
+        """The CloudEvents ``source``: the Azure resource ID, or a URN when it is unknown."""
+        return self.resource_id or f"urn:vm:{self.name}"

@@ -1,0 +1,30 @@
+"""The schema version every message carries, and the one rule for reading it.
+
+A newer minor version decodes (its extra fields are ignored); another major version fails with
+:class:`~schemas.VersionMismatch`, which names both versions. Golden fixtures of every message
+kind live in ``tests/fixtures/<version>/`` and are never edited: a new version adds files.
+"""
+
+from __future__ import annotations
+
+from ._errors import SchemaError, VersionMismatch
+
+__all__ = ["SCHEMA_VERSION", "check_version"]
+
+SCHEMA_VERSION = "1.0"
+
+
+def _major(version: str) -> int:
+    head, _, _ = version.partition(".")
+    if not head.isdigit():
+        raise SchemaError(f"schema version {version!r} is not MAJOR.MINOR")
+    return int(head)
+
+
+def check_version(found: object) -> str:
+    """Return ``found`` when this code can read it; raise otherwise."""
+    if not isinstance(found, str) or not found:
+        raise SchemaError("the message carries no schema version (schemaversion)")
+    if _major(found) != _major(SCHEMA_VERSION):
+        raise VersionMismatch(found, SCHEMA_VERSION)
+    return found
