@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
 
 AMQP_URL = os.environ.get("RELAY_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
-POSTGRES_DSN = os.environ.get("RELAY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+POSTGRES_DSN = os.environ.get(
+    "RELAY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test"
+)
 
 _HOW_TO_START = {
     "RabbitMQ": "start it with `rabbitmq-server -detached`",
@@ -29,7 +30,9 @@ _HOW_TO_START = {
 def _reachable(url: str, default_port: int) -> bool:
     split = urlsplit(url)
     try:
-        with socket.create_connection((split.hostname or "127.0.0.1", split.port or default_port), 2):
+        with socket.create_connection(
+            (split.hostname or "127.0.0.1", split.port or default_port), 2
+        ):
             return True
     except OSError:
         return False
@@ -67,9 +70,9 @@ def unique() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _isolated_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _isolated_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test sees settings from the developer's shell (the agent reads SE_RELAY_*)."""
     for name in list(os.environ):
         if name.startswith(("SE_RELAY_", "SCHEDULED_EVENTS_")):
             monkeypatch.delenv(name, raising=False)
-    yield
+    return
