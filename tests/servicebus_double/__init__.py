@@ -1,0 +1,142 @@
+"""A protocol-level Azure Service Bus double that the real azure-servicebus SDK talks to.
+
+It speaks AMQP 1.0 on loopback through python-qpid-proton, with the Service Bus specifics the
+SDK relies on ($cbs, $management, lock tokens, sessions), in front of an in-memory namespace
+with declared queues, topics and subscriptions. Unknown entities are refused with
+``amqp:not-found``, as a real namespace does.
+
+Usage::
+
+    with ServiceBusDouble(queues=["orders"], topics={"events": ["a", "b"]}) as sb:
+        client = ServiceBusClient.from_connection_string(sb.connection_string)
+
+or standalone: ``python -m tests.servicebus_double --port 0 --queue orders``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+
+from proton.reactor import ApplicationEvent, Container, EventInjector
+
+from ._amqp_server import ServiceBusHandler
+from ._broker import EntityOptions, Namespace
+
+__all__ = ["EntityOptions", "Namespace", "ServiceBusDouble"]
+
+_LOGGER = logging.getLogger(__name__)
+
+START_TIMEOUT = 10.0
+STOP_TIMEOUT = 10.0
+
+
+class ServiceBusDouble:
+    """Runs the double on a background thread; ``start()``/``stop()`` or use it as a context.
+
+    ``queues`` and ``session_queues`` are queue names; ``topics`` maps a topic to its
+    subscriptions and ``session_topics`` to its session-enabled subscriptions. ``options``
+    applies to every entity (lock duration, max delivery count, duplicate detection window).
+    """
+
+    def __init__(
+        self,
+        *,
+        queues: Iterable[str] = (),
+        session_queues: Iterable[str] = (),
+        topics: Mapping[str, Iterable[str]] | None = None,
+        session_topics: Mapping[str, Iterable[str]] | None = None,
+        options: EntityOptions | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.options = options or EntityOptions()
+        self.namespace = Namespace()
+        for name in queues:
+            self.namespace.declare_queue(name, self.options)
+        for name in session_queues:
+            self.namespace.declare_queue(name, EntityOptions(**{
+                **self.options.__dict__, "requires_session": True
+            }))
+        topic_names = set(topics or {}) | set(session_topics or {})
+        for name in sorted(topic_names):
+            self.namespace.declare_topic(
+                name,
+                (topics or {}).get(name, ()),
+                self.options,
+                session_subscriptions=(session_topics or {}).get(name, ()),
+            )
+        self.host = host
+        self._handler = ServiceBusHandler(self.namespace, host, port)
+        self._container: Container | None = None
+        self._injector: EventInjector | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+
+    @property
+    def port(self) -> int:
+        if self._handler.port is None:
+            raise RuntimeError("the double is not started")
+        return self._handler.port
+
+    @property
+    def connection_string(self) -> str:
+        """What the SDK needs: no TLS, and the port kept (``UseDevelopmentEmulator=true``)."""
+        return (
+            f"Endpoint=sb://{self.host}:{self.port};SharedAccessKeyName=k;"
+            "SharedAccessKey=s;UseDevelopmentEmulator=true"
+        )
+
+    def start(self) -> ServiceBusDouble:
+        if self._thread is not None:
+            raise RuntimeError("the double is already started")
+        self._injector = EventInjector()
+        self._container = Container(self._handler)
+        self._container.selectable(self._injector)
+        self._handler.injector = self._injector
+        self._thread = threading.Thread(target=self._run, name="servicebus-double", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT) or self._handler.port is None:
+            raise RuntimeError(f"the double did not start: {self._failure!r}")
+        return self
+
+    def _run(self) -> None:
+        assert self._container is not None
+        container = self._container
+
+        try:
+            container.start()
+            while container.process():
+                if self._handler.port is not None:
+                    self._ready.set()
+            container.stop()
+            container.process()
+        except BaseException as exc:
+            self._failure = exc
+            _LOGGER.exception("the Service Bus double stopped on an error")
+        finally:
+            self._ready.set()
+
+    def stop(self) -> None:
+        thread, injector = self._thread, self._injector
+        if thread is None or injector is None:
+            return
+        injector.trigger(ApplicationEvent("stop_double"))
+        thread.join(STOP_TIMEOUT)
+        if thread.is_alive():
+            _LOGGER.warning("the Service Bus double did not stop within %.0f s", STOP_TIMEOUT)
+        self._thread = None
+
+    def __enter__(self) -> ServiceBusDouble:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,647 @@
+"""The AMQP side of the Service Bus double: proton handlers in front of a ``Namespace``.
+
+Everything here runs on the proton container's thread. What the azure-servicebus SDK needs,
+found by reading its ``_pyamqp`` sources and trying:
+
+- SASL ANONYMOUS, no TLS (the connection string's ``UseDevelopmentEmulator=true``);
+- ``$cbs``: a put-token request answered with ``status-code`` 200 and a ``correlation_id``
+  equal to the request's ``message_id``;
+- entity links: ``<queue>``, ``<topic>``, ``<topic>/Subscriptions/<sub>`` and
+  ``<entity>/$DeadLetterQueue``, with the address optionally prefixed ``amqps://host/``;
+- peek-lock deliveries tagged with the lock token (``uuid.bytes_le``); the SDK sends its
+  disposition unsettled and waits for the server to settle with the same outcome;
+- ``com.microsoft:session-filter`` on the source for session receivers, echoed with the
+  session id the receiver got;
+- ``<entity>/$management``: lock renewal, session lock and state, peek, update-disposition
+  and receive-by-sequence-number.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from proton import (
+    Array,
+    Condition,
+    Data,
+    Delivery,
+    Disposition,
+    Endpoint,
+    Event,
+    Link,
+    Message,
+    symbol,
+)
+from proton import Handler
+from proton._reactor import Acceptor, Container, EventInjector, Task
+
+from . import _codec
+from ._broker import (
+    BrokerError,
+    EntityNotFound,
+    IncomingMessage,
+    MessageLockLost,
+    Namespace,
+    NotAllowed,
+    StoredMessage,
+)
+
+_LOGGER = logging.getLogger(__name__)
+
+SESSION_FILTER = symbol("com.microsoft:session-filter")
+SESSION_LOCKED_UNTIL = symbol("com.microsoft:locked-until-utc")
+OPERATION_TIMEOUT = symbol("com.microsoft:timeout")
+TIMEOUT_CONDITION = "com.microsoft:timeout"
+DATETIMEOFFSET_EPOCH = 621355968000000000  # .NET ticks at the Unix epoch
+DEFAULT_SESSION_WAIT = 60.0
+TICK_SECONDS = 0.05
+RECEIVER_CREDIT = 100
+STOP_GRACE_SECONDS = 0.5
+
+
+class _ForceStop:
+    """Ends the container if connections linger after the graceful close."""
+
+    def on_timer_task(self, event: Event) -> None:
+        event.container.stop()
+
+
+class _Kind(Enum):
+    CBS = "cbs"
+    MANAGEMENT = "management"
+    ENTITY = "entity"
+
+
+@dataclass
+class _LinkState:
+    """What the double knows about one link; stored on the proton link object."""
+
+    kind: _Kind
+    path: str
+    owner: str
+    peek_lock: bool = True
+    requires_session: bool = False
+    session_id: str | None = None
+    pending_until: float | None = None
+
+
+def _ticks(epoch_seconds: float) -> int:
+    return int(epoch_seconds * 10_000_000) + DATETIMEOFFSET_EPOCH
+
+
+def _as_str(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).decode()
+    return str(value)
+
+
+def _elements(value: Any) -> list[Any]:
+    if isinstance(value, Array):
+        return list(value.elements)
+    if value is None:
+        return []
+    return list(value)
+
+
+def _decode(payload: bytes) -> Message:
+    message = Message()
+    message.decode(payload)
+    return message
+
+
+def _incoming_message(payload: bytes) -> IncomingMessage:
+    message_id, session_id = _codec.routing_keys(payload)
+    return IncomingMessage(payload, message_id, session_id)
+
+
+def _uuid(value: Any) -> uuid.UUID:
+    if isinstance(value, uuid.UUID):
+        return value
+    return uuid.UUID(str(value))
+
+
+class ServiceBusHandler(Handler):  # type: ignore[misc]
+    """Serves the Service Bus wire protocol for one ``Namespace``."""
+
+    def __init__(self, namespace: Namespace, host: str, port: int) -> None:
+        super().__init__()
+        self.namespace = namespace
+        self._host = host
+        self._requested_port = port
+        self.port: int | None = None
+        self.acceptor: Acceptor | None = None
+        self._links: dict[str, Link] = {}
+        self._connections: set[Any] = set()
+        self._owner_ids = itertools.count(1)
+        self._tick_task: Task | None = None
+        self._stopping = False
+        self.injector: EventInjector | None = None
+        self._container: Container | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def on_reactor_init(self, event: Event) -> None:
+        container: Container = event.container
+        self._container = container
+        self.acceptor = container.acceptor(self._host, self._requested_port)
+        sock = self.acceptor._selectable._delegate
+        self.port = int(sock.getsockname()[1])
+        _LOGGER.info("listening on %s:%d", self._host, self.port)
+        self._tick_task = container.schedule(TICK_SECONDS, self)
+
+    def on_timer_task(self, event: Event) -> None:
+        if self._stopping:
+            return
+        try:
+            self.namespace.expire()
+            self._serve_pending_sessions()
+            self._pump_all()
+        except Exception:
+            _LOGGER.exception("tick failed; continuing")
+        self._tick_task = event.container.schedule(TICK_SECONDS, self)
+
+    def on_stop_double(self, event: Event) -> None:
+        """Close the listener and every connection; the container then runs out of work."""
+        self._stopping = True
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+        if self.acceptor is not None:
+            self.acceptor.close()
+        if self.injector is not None:
+            self.injector.close()
+        if self._container is not None:
+            self._container.schedule(STOP_GRACE_SECONDS, _ForceStop())
+        for connection in list(self._connections):
+            connection.close()
+            transport = connection.transport
+            if transport is not None:
+                transport.close_tail()
+                transport.close_head()
+
+    # ---- connections and sessions ------------------------------------------------------------
+
+    def on_connection_bound(self, event: Event) -> None:
+        sasl = event.transport.sasl()
+        sasl.allowed_mechs("ANONYMOUS")
+        self._connections.add(event.connection)
+
+    def on_connection_remote_open(self, event: Event) -> None:
+        if event.connection.state & Endpoint.LOCAL_UNINIT:
+            event.connection.open()
+
+    def on_session_remote_open(self, event: Event) -> None:
+        if event.session.state & Endpoint.LOCAL_UNINIT:
+            event.session.open()
+
+    def on_session_remote_close(self, event: Event) -> None:
+        if not event.session.state & Endpoint.LOCAL_CLOSED:
+            event.session.close()
+
+    def on_connection_remote_close(self, event: Event) -> None:
+        self._forget_connection(event.connection)
+        if not event.connection.state & Endpoint.LOCAL_CLOSED:
+            event.connection.close()
+
+    def on_transport_closed(self, event: Event) -> None:
+        if event.connection is not None:
+            self._forget_connection(event.connection)
+            self._connections.discard(event.connection)
+
+    def _forget_connection(self, connection: Any) -> None:
+        for owner, link in list(self._links.items()):
+            if link.connection == connection:
+                self._forget_link(owner)
+
+    def _forget_link(self, owner: str) -> None:
+        link = self._links.pop(owner, None)
+        if link is None:
+            return
+        state: _LinkState = link.sb_state
+        if state.session_id is not None and state.pending_until is None:
+            self.namespace.release_session(state.path, state.session_id, state.owner)
+            self._pump_all()
+
+    # ---- links -------------------------------------------------------------------------------
+
+    def on_link_remote_open(self, event: Event) -> None:
+        link: Link = event.link
+        terminus = link.remote_source if link.is_sender else link.remote_target
+        address = terminus.address or ""
+        link.source.copy(link.remote_source)
+        link.target.copy(link.remote_target)
+        link.snd_settle_mode = link.remote_snd_settle_mode
+        link.rcv_settle_mode = link.remote_rcv_settle_mode
+        owner = f"link-{next(self._owner_ids)}:{link.name}"
+        try:
+            state = self._classify(link, address, owner)
+        except BrokerError as exc:
+            _LOGGER.info("refusing link %r to %r: %s", link.name, address, exc.description)
+            link.open()
+            link.condition = Condition(exc.condition, exc.description)
+            link.close()
+            return
+        link.sb_state = state
+        self._links[owner] = link
+        if state.pending_until is not None:
+            self._serve_pending_sessions()
+            return
+        self._open_link(link, state)
+
+    def _classify(self, link: Link, address: str, owner: str) -> _LinkState:
+        if address == "$cbs":
+            return _LinkState(_Kind.CBS, address, owner)
+        if address.lower().endswith("/$management"):
+            return _LinkState(_Kind.MANAGEMENT, self.namespace.check_management_node(address), owner)
+        if link.is_receiver:
+            return _LinkState(_Kind.ENTITY, self.namespace.check_send_target(address), owner)
+        path, requires_session = self.namespace.check_receive_source(address)
+        filters = self._remote_filters(link)
+        wants_session = SESSION_FILTER in filters
+        if wants_session != requires_session:
+            if requires_session:
+                raise NotAllowed(
+                    "It is not possible for an entity that requires sessions to create a "
+                    "non-sessionful message receiver."
+                )
+            raise NotAllowed(f"The entity '{path}' does not require sessions.")
+        state = _LinkState(
+            _Kind.ENTITY,
+            path,
+            owner,
+            peek_lock=link.remote_snd_settle_mode != Link.SND_SETTLED,
+            requires_session=requires_session,
+        )
+        if requires_session:
+            wanted = _as_str(filters.get(SESSION_FILTER))
+            if wanted is None:
+                props = link.remote_properties or {}
+                wait_ms = props.get(OPERATION_TIMEOUT)
+                wait = DEFAULT_SESSION_WAIT if wait_ms is None else int(wait_ms) / 1000.0
+                state.pending_until = time.monotonic() + wait
+            else:
+                state.session_id = self.namespace.accept_session(path, owner, wanted)
+        return state
+
+    @staticmethod
+    def _remote_filters(link: Link) -> dict[Any, Any]:
+        data: Data = link.remote_source.filter
+        data.rewind()
+        if not data.next():
+            return {}
+        value = data.get_object()
+        return dict(value) if isinstance(value, dict) else {}
+
+    def _open_link(self, link: Link, state: _LinkState) -> None:
+        if state.session_id is not None:
+            link.source.filter.clear()
+            link.source.filter.put_object({SESSION_FILTER: state.session_id})
+            locked_until = self.namespace.session_locked_until(state.path, state.session_id)
+            if locked_until is not None:
+                link.properties = {SESSION_LOCKED_UNTIL: _ticks(locked_until)}
+        link.open()
+        if link.is_receiver:
+            link.flow(RECEIVER_CREDIT)
+        else:
+            self._pump(link)
+
+    def _serve_pending_sessions(self) -> None:
+        now = time.monotonic()
+        for link in list(self._links.values()):
+            state: _LinkState = link.sb_state
+            if state.pending_until is None:
+                continue
+            try:
+                session_id = self.namespace.accept_session(state.path, state.owner, None)
+            except BrokerError as exc:
+                self._refuse_pending(link, state, exc.condition, exc.description)
+                continue
+            if session_id is not None:
+                state.session_id = session_id
+                state.pending_until = None
+                self._open_link(link, state)
+            elif now >= state.pending_until:
+                self._refuse_pending(
+                    link, state, TIMEOUT_CONDITION, "No session is available within the timeout."
+                )
+
+    def _refuse_pending(self, link: Link, state: _LinkState, condition: str, text: str) -> None:
+        _LOGGER.info("no session for %s on %s: %s", state.owner, state.path, text)
+        self._links.pop(state.owner, None)
+        state.pending_until = None
+        link.open()
+        link.condition = Condition(condition, text)
+        link.close()
+
+    def on_link_remote_close(self, event: Event) -> None:
+        link: Link = event.link
+        try:
+            state: _LinkState = link.sb_state
+        except AttributeError:
+            state = None  # type: ignore[assignment]
+        if state is not None:
+            self._forget_link(state.owner)
+        if not link.state & Endpoint.LOCAL_CLOSED:
+            link.close()
+
+    def on_link_flow(self, event: Event) -> None:
+        link: Link = event.link
+        if link.is_sender:
+            self._pump(link)
+
+    # ---- sending to receivers ----------------------------------------------------------------
+
+    def _pump_all(self) -> None:
+        for link in list(self._links.values()):
+            if link.is_sender:
+                self._pump(link)
+
+    def _pump(self, link: Link) -> None:
+        try:
+            state: _LinkState = link.sb_state
+        except AttributeError:
+            return
+        if (
+            state.kind is not _Kind.ENTITY
+            or state.pending_until is not None
+            or not link.state & Endpoint.LOCAL_ACTIVE
+            or not link.state & Endpoint.REMOTE_ACTIVE
+        ):
+            return
+        while link.credit > 0:
+            try:
+                delivery = self.namespace.receive(
+                    state.path, state.owner, session_id=state.session_id, peek_lock=state.peek_lock
+                )
+            except BrokerError as exc:
+                _LOGGER.info("closing receiver %s: %s", state.owner, exc.description)
+                self._links.pop(state.owner, None)
+                link.condition = Condition(exc.condition, exc.description)
+                link.close()
+                return
+            if delivery is None:
+                break
+            tag = delivery.lock_token.bytes_le if delivery.lock_token else uuid.uuid4().bytes_le
+            payload = self.encode_for_receiver(delivery.message, delivery.locked_until)
+            outgoing = link.delivery(tag)
+            link.send(payload)
+            link.advance()
+            if delivery.lock_token is None:
+                outgoing.settle()
+            else:
+                outgoing.sb_lock_token = delivery.lock_token
+        if link.drain_mode:
+            link.drained()
+
+    @staticmethod
+    def encode_for_receiver(message: StoredMessage, locked_until: float | None) -> bytes:
+        annotations: dict[str, Any] = {
+            "x-opt-sequence-number": message.sequence_number,
+            "x-opt-enqueued-time": _codec.ms_timestamp(message.enqueued_time),
+        }
+        if locked_until is not None:
+            annotations["x-opt-locked-until"] = _codec.ms_timestamp(locked_until)
+        if message.deferred:
+            annotations["x-opt-message-state"] = 1
+        extra: dict[str, Any] | None = None
+        if message.dead_letter_source is not None:
+            annotations["x-opt-deadletter-source"] = message.dead_letter_source
+            extra = {}
+            if message.dead_letter_reason is not None:
+                extra["DeadLetterReason"] = message.dead_letter_reason
+            if message.dead_letter_description is not None:
+                extra["DeadLetterErrorDescription"] = message.dead_letter_description
+        return _codec.build_delivery(
+            message.payload,
+            delivery_count=message.delivery_count,
+            annotations=annotations,
+            extra_properties=extra,
+        )
+
+    # ---- deliveries --------------------------------------------------------------------------
+
+    def on_delivery(self, event: Event) -> None:
+        delivery: Delivery = event.delivery
+        link: Link = event.link
+        try:
+            state: _LinkState = link.sb_state
+        except AttributeError:
+            return
+        try:
+            if link.is_receiver:
+                self._incoming(link, delivery, state)
+            elif delivery.updated:
+                self._settlement(link, delivery, state)
+        except Exception:
+            _LOGGER.exception("handling a delivery on %s failed", state.owner)
+
+    def _incoming(self, link: Link, delivery: Delivery, state: _LinkState) -> None:
+        if not delivery.readable or delivery.partial:
+            return
+        payload = bytes(link.recv(delivery.pending))
+        link.advance()
+        if link.credit < RECEIVER_CREDIT // 2:
+            link.flow(RECEIVER_CREDIT - link.credit)
+        if state.kind is _Kind.CBS:
+            self._reply(link, self._cbs(_decode(payload)))
+        elif state.kind is _Kind.MANAGEMENT:
+            request = _decode(payload)
+            self._reply(link, self._management(state, request), request.reply_to)
+        else:
+            try:
+                messages = [_incoming_message(p) for p in _codec.unbatch(payload)]
+                self.namespace.send(state.path, messages)
+            except (BrokerError, _codec.SectionError) as exc:
+                condition = getattr(exc, "condition", "amqp:decode-error")
+                _LOGGER.info("rejecting a message on %s: %s", state.path, exc)
+                delivery.local.condition = Condition(condition, str(exc))
+                delivery.update(Disposition.REJECTED)
+                delivery.settle()
+                return
+            self._pump_all()
+        delivery.update(Disposition.ACCEPTED)
+        delivery.settle()
+
+    def _reply(self, link: Link, reply: Message, reply_to: str | None = None) -> None:
+        """Send a request-response answer on the partner link of the same session."""
+        wanted = reply_to or link.remote_target.address
+        partner = None
+        for candidate in self._links.values():
+            if (
+                candidate.is_sender
+                and candidate.session == link.session
+                and candidate.remote_source.address == wanted
+            ):
+                partner = candidate
+                break
+        if partner is None:
+            _LOGGER.warning("no reply link for %r on %s", wanted, link.name)
+            return
+        outgoing = partner.delivery(uuid.uuid4().bytes)
+        partner.send(reply.encode())
+        partner.advance()
+        outgoing.settle()
+
+    def _settlement(self, link: Link, delivery: Delivery, state: _LinkState) -> None:
+        token: uuid.UUID | None = getattr(delivery, "sb_lock_token", None)
+        outcome = delivery.remote_state
+        if token is None:
+            delivery.settle()
+            return
+        remote = delivery.remote
+        error: BrokerError | None = None
+        try:
+            if outcome == Disposition.ACCEPTED:
+                self.namespace.complete(token)
+            elif outcome == Disposition.RELEASED:
+                self.namespace.release(token)
+            elif outcome == Disposition.MODIFIED:
+                if remote.undeliverable:
+                    self.namespace.defer(token)
+                elif remote.failed:
+                    self.namespace.abandon(token)
+                else:
+                    self.namespace.release(token)
+            elif outcome == Disposition.REJECTED:
+                reason, description = self._dead_letter_details(remote.condition)
+                self.namespace.dead_letter(token, reason, description)
+            else:
+                return  # a non-terminal state (received): wait for the outcome
+        except BrokerError as exc:
+            error = exc
+        if not delivery.settled:  # proton: "settled" is the remote flag
+            if error is not None:
+                delivery.local.condition = Condition(error.condition, error.description)
+                delivery.update(Disposition.REJECTED)
+            else:
+                if outcome == Disposition.MODIFIED:
+                    delivery.local.failed = remote.failed
+                    delivery.local.undeliverable = remote.undeliverable
+                delivery.update(outcome)
+        delivery.settle()
+        self._pump_all()
+
+    @staticmethod
+    def _dead_letter_details(condition: Condition | None) -> tuple[str | None, str | None]:
+        if condition is None:
+            return None, None
+        info = condition.info or {}
+        reason = _as_str(info.get(symbol("DeadLetterReason"), info.get("DeadLetterReason")))
+        description = _as_str(
+            info.get(
+                symbol("DeadLetterErrorDescription"),
+                info.get("DeadLetterErrorDescription", condition.description),
+            )
+        )
+        return reason, description
+
+    # ---- request-response nodes --------------------------------------------------------------
+
+    @staticmethod
+    def _cbs(request: Message) -> Message:
+        props = request.properties or {}
+        _LOGGER.debug("put-token for %r", props.get("name"))
+        return Message(
+            correlation_id=request.id,
+            properties={"status-code": 200, "status-description": "OK"},
+        )
+
+    def _management(self, state: _LinkState, request: Message) -> Message:
+        props = request.properties or {}
+        operation = _as_str(props.get("operation")) or ""
+        body = request.body if isinstance(request.body, dict) else {}
+        status, description, value, condition = 200, "OK", None, None
+        try:
+            status, value = self._operation(state, operation, body)
+        except BrokerError as exc:
+            status = 404 if isinstance(exc, EntityNotFound) else 410
+            if isinstance(exc, NotAllowed):
+                status = 400
+            description, condition = exc.description, exc.condition
+        except (KeyError, TypeError, ValueError) as exc:
+            status, description, condition = 400, repr(exc), "com.microsoft:argument-error"
+        app: dict[str, Any] = {"statusCode": status, "statusDescription": description}
+        if condition is not None:
+            app["errorCondition"] = symbol(condition)
+        return Message(correlation_id=request.id, properties=app, body=value)
+
+    def _operation(self, state: _LinkState, operation: str, body: dict[Any, Any]) -> tuple[int, Any]:
+        ns = self.namespace
+        path = state.path
+        if operation == "com.microsoft:renew-lock":
+            tokens = [_uuid(t) for t in _elements(body["lock-tokens"])]
+            expiries = ns.renew_locks(tokens)
+            stamps = [_codec.ms_timestamp(e) for e in expiries]
+            return 200, {"expirations": Array(Data.NULL, Data.TIMESTAMP, *stamps)}
+        if operation == "com.microsoft:renew-session-lock":
+            session_id = _as_str(body["session-id"]) or ""
+            expiry = ns.renew_session_lock(path, session_id, None)
+            return 200, {"expiration": _codec.ms_timestamp(expiry)}
+        if operation == "com.microsoft:get-session-state":
+            state_value = ns.get_session_state(path, _as_str(body["session-id"]) or "")
+            return 200, {"session-state": state_value}
+        if operation == "com.microsoft:set-session-state":
+            raw = body.get("session-state")
+            ns.set_session_state(
+                path, _as_str(body["session-id"]) or "", None if raw is None else bytes(raw)
+            )
+            return 200, {}
+        if operation == "com.microsoft:peek-message":
+            found = ns.peek(
+                path,
+                int(body.get("from-sequence-number", 0)),
+                int(body.get("message-count", 1)),
+                _as_str(body.get("session-id")),
+            )
+            if not found:
+                return 204, None
+            messages = [{"message": self.encode_for_receiver(m, None)} for m in found]
+            return 200, {"messages": messages}
+        if operation == "com.microsoft:update-disposition":
+            return 200, self._update_disposition(body)
+        if operation == "com.microsoft:receive-by-sequence-number":
+            peek_lock = int(body.get("receiver-settle-mode", 1)) == 1
+            sequence_numbers = [int(s) for s in _elements(body["sequence-numbers"])]
+            found_deferred = ns.receive_deferred(
+                path, state.owner, sequence_numbers, peek_lock=peek_lock
+            )
+            return 200, {
+                "messages": [
+                    {
+                        "message": self.encode_for_receiver(d.message, d.locked_until),
+                        "lock-token": d.lock_token,
+                    }
+                    for d in found_deferred
+                ]
+            }
+        raise NotAllowed(f"The double does not implement {operation!r}.")
+
+    def _update_disposition(self, body: dict[Any, Any]) -> dict[Any, Any]:
+        status = _as_str(body["disposition-status"])
+        if not _elements(body["lock-tokens"]):
+            raise MessageLockLost("No lock tokens were supplied.")
+        for raw in _elements(body["lock-tokens"]):
+            token = _uuid(raw)
+            if status == "completed":
+                self.namespace.complete(token)
+            elif status == "abandoned":
+                self.namespace.abandon(token)
+            elif status == "defered":
+                self.namespace.defer(token)
+            elif status == "suspended":
+                self.namespace.dead_letter(
+                    token,
+                    _as_str(body.get("deadletter-reason")),
+                    _as_str(body.get("deadletter-description")),
+                )
+            else:
+                raise NotAllowed(f"Unknown disposition status {status!r}.")
+        self._pump_all()
+        return {}
