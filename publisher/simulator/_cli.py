@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
 import signal
@@ -187,8 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list_scenarios:
         try:
-            for name, scenario in shipped_scenarios().items():
-                print(f"{name}: {scenario.description}")
+            for name, shipped in shipped_scenarios().items():
+                print(f"{name}: {shipped.description}")
         except ScenarioError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return _EXIT_FAILURE
@@ -238,12 +237,22 @@ async def _serve(simulator: Simulator, host: str, port: int, scenario: Scenario 
         player = None
         if scenario is not None:
             player = asyncio.create_task(run_scenario(simulator, scenario), name="scenario")
+            player.add_done_callback(_report_scenario)
         await stop.wait()
         log.info("stopping")
-        if player is not None and not player.done():
+        if player is not None:
             player.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await player
+            await asyncio.wait([player], timeout=5)
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(signum)
     return 0
+
+
+def _report_scenario(task: asyncio.Task[dict[str, list[str]]]) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.error("the scenario failed; serving on without it", exc_info=exc)
+    else:
+        log.info("the scenario played to its end; serving on")
