@@ -16,7 +16,7 @@ import email.utils
 import json
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    WithJsonSchema,
     field_serializer,
     field_validator,
     model_serializer,
@@ -115,7 +116,16 @@ class ScheduledEvent(BaseModel):
     event_type: str = Field(alias="EventType")
     resource_type: str = Field(default="VirtualMachine", alias="ResourceType")
     resources: tuple[str, ...] = Field(default=(), alias="Resources")
-    not_before: datetime | None = Field(default=None, alias="NotBefore")
+    not_before: Annotated[
+        datetime | None,
+        WithJsonSchema(
+            {
+                "type": "string",
+                "description": 'RFC 1123 in GMT ("Mon, 11 Apr 2022 22:26:58 GMT"), or "" once '
+                "the event started",
+            }
+        ),
+    ] = Field(default=None, alias="NotBefore")
     description: str | None = Field(default=None, alias="Description")
     event_source: str | None = Field(default=None, alias="EventSource")
     duration_in_seconds: int = Field(default=-1, alias="DurationInSeconds")

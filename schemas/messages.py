@@ -23,7 +23,16 @@ import uuid
 from datetime import datetime
 from typing import Any, ClassVar, Literal, Self, TypeAlias
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
 
 from ._errors import SchemaError
 from .channels import MessageType, ReplyAddress, routing_key
@@ -166,6 +175,14 @@ class _Envelope(BaseModel):
     def _readable_version(cls, value: str) -> str:
         return check_version(value)
 
+    @model_serializer(mode="wrap")
+    def _no_null_attributes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # CloudEvents: an optional attribute is absent, never null.
+        data: dict[str, Any] = handler(self)
+        if data.get("subject") is None:
+            data.pop("subject", None)
+        return data
+
     @property
     def kind(self) -> MessageType:
         kind = MessageType.from_cloudevents_type(self.type)
@@ -187,7 +204,7 @@ class _Envelope(BaseModel):
         return routing_key(self.kind, self.event_type, self.vm.name)
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json(exclude_none=False).encode()
+        return self.model_dump_json().encode()
 
     def with_sequence(self, sequence: int) -> Self:
         return self.model_copy(update={"sequence": sequence})
