@@ -54,7 +54,17 @@ class _Server(uvicorn.Server):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=2048)
+    # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then, and without it
+    # every response waits ~40 ms for Nagle and delayed ACKs.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 @contextlib.asynccontextmanager
