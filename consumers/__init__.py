@@ -1,1 +1,54 @@
-"""The central side: the fleet-wide stream, the fleet view, policies, approvals and audit."""
+"""The central side: the fleet-wide stream, the fleet view, policies, approvals and audit.
+
+>>> from consumers import FleetStream, FleetView          # doctest: +SKIP
+>>> async with open_transport(url) as transport:          # doctest: +SKIP
+...     async with FleetStream(transport, "ops") as stream:
+...         async for message in stream:
+...             view.apply(message)
+"""
+
+from ._approvals import ApprovalSender, NoApprovalTarget
+from ._dedupe import DedupeWindow
+from ._filters import MessageFilter
+from ._fleet import AgentState, EventPhase, EventState, FleetView, VmReport
+from ._policies import (
+    Action,
+    ApproveShortFreeze,
+    ApproveUserInitiated,
+    ApproveWhenHooksDone,
+    MaxUnavailable,
+    NeverApprove,
+    Policy,
+    PolicySet,
+    Verdict,
+    load_policy_file,
+    parse_policy,
+)
+from ._stream import DeadLetterReason, FleetStream, StreamStats, classify_bad_input
+
+__all__ = [
+    "Action",
+    "AgentState",
+    "ApprovalSender",
+    "ApproveShortFreeze",
+    "ApproveUserInitiated",
+    "ApproveWhenHooksDone",
+    "DeadLetterReason",
+    "DedupeWindow",
+    "EventPhase",
+    "EventState",
+    "FleetStream",
+    "FleetView",
+    "MaxUnavailable",
+    "MessageFilter",
+    "NeverApprove",
+    "NoApprovalTarget",
+    "Policy",
+    "PolicySet",
+    "StreamStats",
+    "Verdict",
+    "VmReport",
+    "classify_bad_input",
+    "load_policy_file",
+    "parse_policy",
+]

@@ -1,0 +1,376 @@
+"""The fleet stream: every lifecycle message of the fleet, typed, filtered, deduplicated, with
+bad input dead-lettered and failing handlers retried a bounded number of times.
+
+Two ways to read it::
+
+    async with FleetStream(transport, "audit") as stream:      # iteration
+        async for message in stream:
+            print(message.kind, message.vm.name)  # acked when the next one is asked for
+
+    stream = FleetStream(transport, "approver", exclusive=True)  # handlers
+    @stream.on(MessageType.STARTED, event_type="Reboot")
+    async def started(message: TransitionMessage) -> None: ...
+    await stream.run()
+
+A consumer group scales out by running more processes on the same group name: the broker shares
+the group's queue between them (``exclusive=True``: one active consumer at a time, in order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from schemas import (
+    LifecycleMessage,
+    MessageType,
+    SchemaError,
+    UnknownMessageType,
+    VersionMismatch,
+    decode,
+)
+from schemas.channels import TYPE_PREFIX
+from schemas.transport import Delivery, Subscription, Transport
+
+from ._dedupe import DedupeWindow
+from ._filters import MessageFilter
+
+__all__ = [
+    "DeadLetterReason",
+    "FleetStream",
+    "StreamStats",
+    "classify_bad_input",
+]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any], Awaitable[object]]
+H = TypeVar("H", bound=Handler)
+
+
+class DeadLetterReason(StrEnum):
+    """The ``dead_letter_reason`` of what a stream sets aside."""
+
+    NOT_JSON = "not-json"
+    NOT_CLOUDEVENT = "not-cloudevent"
+    VERSION_MISMATCH = "version-mismatch"
+    UNKNOWN_TYPE = "unknown-type"
+    INVALID = "invalid"
+    HANDLER_FAILED = "handler-failed"
+
+
+def classify_bad_input(raw: bytes, error: SchemaError) -> DeadLetterReason:
+    """Why ``raw`` could not be decoded. Runs only on the failure path, so it may parse again."""
+    if isinstance(error, VersionMismatch):
+        return DeadLetterReason.VERSION_MISMATCH
+    if isinstance(error, UnknownMessageType):
+        return DeadLetterReason.UNKNOWN_TYPE
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return DeadLetterReason.NOT_JSON
+    if not isinstance(data, dict) or data.get("specversion") is None or "type" not in data:
+        return DeadLetterReason.NOT_CLOUDEVENT
+    return DeadLetterReason.INVALID
+
+
+def _is_newer_minor_type(error: UnknownMessageType, raw: bytes) -> bool:
+    """A type of ours we do not know, in a major version we read: a newer minor added it."""
+    try:
+        type_ = json.loads(raw).get("type", "")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return False
+    return isinstance(type_, str) and type_.startswith(TYPE_PREFIX + ".")
+
+
+@dataclass(slots=True)
+class StreamStats:
+    """What the stream did with what it received (for logs, metrics and tests)."""
+
+    received: int = 0
+    handled: int = 0
+    duplicates: int = 0
+    filtered: int = 0
+    skipped_unknown: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    filter: MessageFilter
+    handler: Handler
+
+
+class FleetStream:
+    """The lifecycle messages of consumer group ``group``.
+
+    ``max_attempts``: how many times a handler may fail on one message before it is
+    dead-lettered (``handler-failed``). ``dedupe``: the window of ids already handled.
+
+    Bad input never stops the stream: a message that is not JSON, not a CloudEvent, of another
+    major version or invalid is dead-lettered with its reason. A well-formed message of *our*
+    type prefix with a type this code does not know, in a major version it reads, is acked and
+    skipped with a warning: minor versions only add, so an agent upgraded first must not fill
+    every older consumer's dead-letter queue. A foreign type is dead-lettered (``unknown-type``).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        group: str,
+        *,
+        filter: MessageFilter | None = None,
+        prefetch: int = 256,
+        exclusive: bool = False,
+        max_attempts: int = 5,
+        dedupe: DedupeWindow | None = None,
+        retry_delay: float = 0.05,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.transport = transport
+        self.group = group
+        self.filter = filter or MessageFilter()
+        self.prefetch = prefetch
+        self.exclusive = exclusive
+        self.max_attempts = max_attempts
+        self.dedupe = dedupe if dedupe is not None else DedupeWindow()
+        self.retry_delay = retry_delay
+        self.stats = StreamStats()
+        self._routes: list[_Route] = []
+        self._subscription: Subscription | None = None
+        self._iterator: AsyncIterator[Delivery] | None = None
+        self._current: tuple[Delivery, LifecycleMessage] | None = None
+        self._stopping = False
+        self._waiting = False
+        self._run_task: asyncio.Task[Any] | None = None
+        self._warned_types: set[str] = set()
+
+    # ------------------------------------------------------------------------------ handlers
+
+    def on(
+        self,
+        *kinds: MessageType | str,
+        event_type: str | list[str] | None = None,
+        vm: str | list[str] | None = None,
+        resource_group: str | list[str] | None = None,
+        scale_set: str | list[str] | None = None,
+    ) -> Callable[[H], H]:
+        """Register an async handler for the messages that match (no kinds: every kind)."""
+        route_filter = MessageFilter.of(
+            kinds=kinds or None,
+            event_type=event_type,
+            vm=vm,
+            resource_group=resource_group,
+            scale_set=scale_set,
+        )
+
+        def register(handler: H) -> H:
+            self._routes.append(_Route(route_filter, handler))
+            return handler
+
+        return register
+
+    def add_handler(self, handler: Handler, filter: MessageFilter | None = None) -> None:
+        self._routes.append(_Route(filter or MessageFilter(), handler))
+
+    # ---------------------------------------------------------------------------- lifecycle
+
+    async def open(self) -> None:
+        if self._subscription is None:
+            await self.transport.declare_group(self.group)
+            self._subscription = self.transport.subscribe(
+                self.group, prefetch=self.prefetch, exclusive=self.exclusive
+            )
+            self._iterator = aiter(self._subscription)
+
+    async def close(self, *, handled: bool = True) -> None:
+        """Stop. The message the iteration returned last is acked when ``handled``, otherwise
+        it goes back to the queue; unsettled deliveries return to the broker."""
+        current, self._current = self._current, None
+        if current is not None:
+            if handled:
+                await self._done(*current)
+            else:
+                await self._failed(current[0], current[1], None)
+        subscription, self._subscription = self._subscription, None
+        self._iterator = None
+        if subscription is not None:
+            await subscription.close()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close(handled=exc_type is None)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the message in hand (at once when idle)."""
+        self._stopping = True
+        if self._waiting and self._run_task is not None and not self._run_task.done():
+            self._run_task.cancel()
+
+    # ---------------------------------------------------------------------------- iteration
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> LifecycleMessage:
+        if self._iterator is None:
+            raise RuntimeError("open the stream first: `async with FleetStream(...) as stream`")
+        current, self._current = self._current, None
+        if current is not None:
+            await self._done(*current)
+        while True:
+            delivery = await anext(self._iterator)
+            message = await self._admit(delivery)
+            if message is None:
+                continue
+            if not self.filter.matches(message):
+                self.stats.filtered += 1
+                await delivery.ack()
+                continue
+            self._current = (delivery, message)
+            return message
+
+    # ------------------------------------------------------------------------------ running
+
+    async def run(self) -> None:
+        """Dispatch every message to the matching handlers until :meth:`stop` or cancellation."""
+        if not self._routes:
+            raise RuntimeError("no handlers: register some with @stream.on(...) first")
+        self._run_task = asyncio.current_task()
+        self._stopping = False
+        await self.open()
+        assert self._iterator is not None
+        try:
+            while not self._stopping:
+                self._waiting = True
+                try:
+                    delivery = await anext(self._iterator)
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    task = self._run_task
+                    if self._stopping and task is not None and task.uncancel() == 0:
+                        break
+                    raise
+                finally:
+                    self._waiting = False
+                await self.process(delivery)
+        finally:
+            self._run_task = None
+            await self.close(handled=False)
+
+    async def process(self, delivery: Delivery) -> None:
+        """Parse, dedupe, filter, dispatch and settle one delivery."""
+        message = await self._admit(delivery)
+        if message is None:
+            return
+        if not self.filter.matches(message):
+            self.stats.filtered += 1
+            await delivery.ack()
+            return
+        try:
+            for route in self._routes:
+                if route.filter.matches_all or route.filter.matches(message):
+                    await route.handler(message)
+        except Exception as exc:  # a handler's failure: retried, then dead-lettered
+            await self._failed(delivery, message, exc)
+            return
+        await self._done(delivery, message)
+
+    # ------------------------------------------------------------------------------ settling
+
+    async def _admit(self, delivery: Delivery) -> LifecycleMessage | None:
+        """The message to handle, or None when it was settled here (bad, duplicate, skipped)."""
+        self.stats.received += 1
+        body = delivery.body
+        try:
+            message = decode(body)
+        except SchemaError as exc:
+            if isinstance(exc, UnknownMessageType) and _is_newer_minor_type(exc, body):
+                self.stats.skipped_unknown += 1
+                if str(exc) not in self._warned_types:
+                    self._warned_types.add(str(exc))
+                    log.warning(
+                        "group %s: skipping a message type this version does not know (%s); "
+                        "a newer agent sends it. Upgrade the consumers to handle it.",
+                        self.group,
+                        exc,
+                    )
+                await delivery.ack()
+                return None
+            reason = classify_bad_input(body, exc)
+            self.stats.dead_lettered += 1
+            log.warning(
+                "group %s: message %s dead-lettered (%s): %s",
+                self.group,
+                delivery.message_id or "(no id)",
+                reason.value,
+                exc,
+            )
+            await delivery.dead_letter(reason.value, str(exc)[:1000])
+            return None
+        if message.id in self.dedupe:
+            self.stats.duplicates += 1
+            log.debug("group %s: message %s handled already: acked", self.group, message.id)
+            await delivery.ack()
+            return None
+        return message
+
+    async def _done(self, delivery: Delivery, message: LifecycleMessage) -> None:
+        self.dedupe.add(message.id)
+        self.stats.handled += 1
+        await delivery.ack()
+
+    async def _failed(
+        self, delivery: Delivery, message: LifecycleMessage, error: BaseException | None
+    ) -> None:
+        attempt = delivery.delivery_count + 1
+        what = "the consumer stopped" if error is None else f"{type(error).__name__}: {error}"
+        if error is not None and attempt >= self.max_attempts:
+            self.stats.dead_lettered += 1
+            log.error(
+                "group %s: message %s (%s) failed %d times, dead-lettered: %s",
+                self.group,
+                message.id,
+                message.kind.value,
+                attempt,
+                what,
+                exc_info=error,
+            )
+            await delivery.dead_letter(
+                DeadLetterReason.HANDLER_FAILED.value,
+                f"failed {attempt} times; last error {what}"[:1000],
+            )
+            return
+        self.stats.retried += 1
+        if error is not None:
+            log.warning(
+                "group %s: message %s (%s) failed (attempt %d of %d), retrying: %s",
+                self.group,
+                message.id,
+                message.kind.value,
+                attempt,
+                self.max_attempts,
+                what,
+            )
+            # Back off a little (capped, jittered) so a failing dependency gets a breath.
+            delay = min(self.retry_delay * 2 ** (attempt - 1), 1.0)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+        await delivery.retry()

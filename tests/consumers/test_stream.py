@@ -1,0 +1,237 @@
+"""The fleet stream over the in-memory transport: typed messages, filters, dedupe, bad input
+dead-lettered with its reason, failing handlers retried then dead-lettered, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+
+from consumers import DeadLetterReason, DedupeWindow, FleetStream, MessageFilter
+from schemas import MessageType, TransitionMessage
+from schemas.transport import MemoryTransport, OutgoingMessage
+from schemas.wire import lifecycle_message
+
+from ._factory import event, heartbeat, transition, vm
+
+
+@pytest.fixture
+async def transport():
+    async with MemoryTransport(f"stream-{uuid.uuid4().hex}") as memory:
+        yield memory
+
+
+def raw(body: bytes, message_id: str = "raw") -> OutgoingMessage:
+    return OutgoingMessage(body=body, message_id=message_id, content_type="application/json")
+
+
+async def dead_letters(transport, group: str, count: int) -> list:
+    out = []
+    async with transport.dead_letters(group) as sub:
+        async with asyncio.timeout(2):
+            async for delivery in sub:
+                out.append(delivery)
+                await delivery.ack()
+                if len(out) == count:
+                    break
+    return out
+
+
+async def collect(stream: FleetStream, count: int) -> list:
+    got = []
+    async with asyncio.timeout(3):
+        async for message in stream:
+            got.append(message)
+            if len(got) == count:
+                break
+    return got
+
+
+async def test_iteration_yields_typed_messages_and_acks_them(transport):
+    stream = FleetStream(transport, "audit")
+    async with stream:
+        web1 = vm("web-1")
+        await transport.publish(lifecycle_message(transition("scheduled", event(), web1)))
+        await transport.publish(lifecycle_message(heartbeat(web1)))
+        got = await collect(stream, 2)
+    assert isinstance(got[0], TransitionMessage)
+    assert got[0].data.event.event_id == "EVT-1"
+    assert [m.kind for m in got] == [MessageType.SCHEDULED, MessageType.AGENT_HEARTBEAT]
+    assert transport.broker.depth("audit") == 0  # both acked, nothing comes back
+
+
+async def test_bad_input_of_each_kind_is_dead_lettered_with_its_reason_and_good_ones_flow(
+    transport,
+):
+    good = transition("started", event(status="Started"), vm("web-1"))
+    envelope = json.loads(good.to_bytes())
+    next_major = dict(envelope, schemaversion="2.0")
+    foreign = dict(envelope, type="com.example.other")
+    invalid = dict(envelope)
+    del invalid["data"]
+    stream = FleetStream(transport, "audit")
+    async with stream:
+        for body in (b"\xff not json", b"[1, 2]", json.dumps(next_major).encode(),
+                     json.dumps(foreign).encode(), json.dumps(invalid).encode()):
+            await transport.publish(raw(body))
+        await transport.publish(lifecycle_message(good))
+        got = await collect(stream, 1)
+    assert [m.id for m in got] == [good.id]
+    dead = await dead_letters(transport, "audit", 5)
+    reasons = [d.properties["dead_letter_reason"] for d in dead]
+    assert reasons == ["not-json", "not-cloudevent", "version-mismatch", "unknown-type", "invalid"]
+    assert "2.0" in str(dead[2].properties["dead_letter_description"])
+    assert stream.stats.dead_lettered == 5
+
+
+async def test_an_unknown_type_of_our_own_prefix_is_skipped_not_dead_lettered(transport):
+    good = heartbeat(vm("web-1"))
+    newer = dict(json.loads(good.to_bytes()), type="io.github.scheduledeventsrelay.agent.metrics",
+                 id="newer-minor")
+    stream = FleetStream(transport, "audit")
+    async with stream:
+        await transport.publish(raw(json.dumps(newer).encode()))
+        await transport.publish(lifecycle_message(good))
+        got = await collect(stream, 1)
+    assert [m.id for m in got] == [good.id]
+    assert stream.stats.skipped_unknown == 1
+    assert len(transport.broker.dead["audit"].ready) == 0
+
+
+async def test_a_message_handled_already_reaches_the_handler_once(transport):
+    stream = FleetStream(transport, "approver")
+    seen: list[str] = []
+
+    @stream.on(MessageType.SCHEDULED)
+    async def scheduled(message: TransitionMessage) -> None:
+        seen.append(message.id)
+        if len(seen) == 2:
+            stream.stop()
+
+    first = transition("scheduled", event("EVT-1"), vm("web-1"))
+    second = transition("scheduled", event("EVT-2"), vm("web-1"))
+    await transport.declare_group("approver")
+    for message in (first, first, first.with_sequence(7), second):  # an agent's repeats
+        await transport.publish(lifecycle_message(message))
+    async with asyncio.timeout(3):
+        await stream.run()
+    assert seen == [first.id, second.id]
+    assert stream.stats.duplicates == 2
+
+
+async def test_handlers_get_only_what_their_filters_ask_for(transport):
+    stream = FleetStream(transport, "ops")
+    reboots: list[str] = []
+    web2: list[str] = []
+    everything: list[MessageType] = []
+
+    @stream.on(MessageType.STARTED, event_type="reboot")
+    async def on_reboot(message: TransitionMessage) -> None:
+        reboots.append(message.vm.name)
+
+    @stream.on(vm="WEB-2", scale_set="pool")
+    async def on_web2(message: TransitionMessage) -> None:
+        web2.append(message.kind.value)
+
+    @stream.on()
+    async def on_any(message: TransitionMessage) -> None:
+        everything.append(message.kind)
+        if len(everything) == 4:
+            stream.stop()
+
+    await transport.declare_group("ops")
+    msgs = [
+        transition("started", event("E1", status="Started"), vm("web-1")),
+        transition("started", event("E2", event_type="Freeze", status="Started"), vm("web-1")),
+        transition("scheduled", event("E3"), vm("web-2", scale_set="pool")),
+        heartbeat(vm("web-2", scale_set="pool")),
+    ]
+    for message in msgs:
+        await transport.publish(lifecycle_message(message))
+    async with asyncio.timeout(3):
+        await stream.run()
+    assert reboots == ["web-1"]
+    assert web2 == ["scheduled", "agent.heartbeat"]
+    assert len(everything) == 4
+
+
+async def test_a_stream_filter_acks_what_it_does_not_want(transport):
+    stream = FleetStream(transport, "g", filter=MessageFilter.of(resource_group="rg-db"))
+    async with stream:
+        await transport.publish(lifecycle_message(heartbeat(vm("web-1"))))
+        wanted = heartbeat(vm("db-1", rg="rg-db"))
+        await transport.publish(lifecycle_message(wanted))
+        got = await collect(stream, 1)
+    assert [m.id for m in got] == [wanted.id]
+    assert stream.stats.filtered == 1
+
+
+async def test_a_failing_handler_is_retried_then_dead_lettered_and_the_stream_goes_on(transport):
+    stream = FleetStream(transport, "approver", max_attempts=3, retry_delay=0.001)
+    calls: dict[str, int] = {}
+    poison = transition("scheduled", event("POISON"), vm("web-1"))
+    flaky = transition("scheduled", event("FLAKY"), vm("web-1"))
+    after = transition("scheduled", event("AFTER"), vm("web-1"))
+
+    @stream.on(MessageType.SCHEDULED)
+    async def handle(message: TransitionMessage) -> None:
+        event_id = message.data.event.event_id
+        calls[event_id] = calls.get(event_id, 0) + 1
+        if event_id == "POISON" and calls[event_id] == 3:
+            stream.stop()  # after this last failure is settled
+        if event_id == "POISON" or (event_id == "FLAKY" and calls[event_id] == 1):
+            raise RuntimeError(f"cannot handle {event_id}")
+
+    await transport.declare_group("approver")
+    for message in (poison, flaky, after):
+        await transport.publish(lifecycle_message(message))
+    async with asyncio.timeout(5):
+        await stream.run()
+    assert calls == {"POISON": 3, "FLAKY": 2, "AFTER": 1}
+    [dead] = await dead_letters(transport, "approver", 1)
+    assert dead.properties["dead_letter_reason"] == DeadLetterReason.HANDLER_FAILED
+    assert "cannot handle POISON" in str(dead.properties["dead_letter_description"])
+
+
+async def test_stop_while_idle_returns_and_unhandled_messages_stay_queued(transport):
+    stream = FleetStream(transport, "idle")
+
+    @stream.on()
+    async def handle(message: TransitionMessage) -> None:
+        pass
+
+    runner = asyncio.create_task(stream.run())
+    await asyncio.sleep(0.05)
+    stream.stop()
+    async with asyncio.timeout(2):
+        await runner
+    await transport.publish(lifecycle_message(heartbeat(vm("web-1"))))
+    assert transport.broker.depth("idle") == 1
+
+
+async def test_leaving_the_iteration_with_an_error_returns_the_message(transport):
+    message = heartbeat(vm("web-1"))
+    await transport.declare_group("g")
+    await transport.publish(lifecycle_message(message))
+    with pytest.raises(RuntimeError, match="boom"):
+        async with FleetStream(transport, "g") as stream:
+            async for _ in stream:
+                raise RuntimeError("boom")
+    async with FleetStream(transport, "g") as again:
+        got = await collect(again, 1)
+    assert [m.id for m in got] == [message.id]
+
+
+def test_the_dedupe_window_is_bounded_in_size_and_age():
+    now = [0.0]
+    window = DedupeWindow(size=3, ttl=10, clock=lambda: now[0])
+    for name in "abcd":
+        window.add(name)
+    assert "a" not in window
+    assert all(name in window for name in "bcd")
+    now[0] = 11
+    assert "b" not in window
+    window.add("e")
+    assert len(window) == 1
