@@ -1,0 +1,28 @@
+"""Capped exponential backoff with full jitter, for every retry the agent makes."""
+
+from __future__ import annotations
+
+import random
+
+__all__ = ["Backoff"]
+
+
+class Backoff:
+    """``next()`` gives the next delay: uniform in ``[base * 2**n / 2, base * 2**n]``, never
+    above ``cap``; ``reset()`` after a success."""
+
+    def __init__(self, base: float, cap: float, *, rng: random.Random | None = None) -> None:
+        if base <= 0 or cap < base:
+            raise ValueError("backoff needs 0 < base <= cap")
+        self.base = base
+        self.cap = cap
+        self.attempt = 0
+        self._rng = rng or random.Random()
+
+    def next(self) -> float:
+        ceiling = min(self.cap, self.base * (2**self.attempt))
+        self.attempt = min(self.attempt + 1, 32)
+        return self._rng.uniform(ceiling / 2, ceiling)
+
+    def reset(self) -> None:
+        self.attempt = 0

@@ -1,0 +1,363 @@
+"""The agent's settings: one typed object, built once at the edge.
+
+Precedence, highest first: command-line flags, environment variables ``SE_RELAY_<NAME>``
+(``SE_RELAY_POLL_INTERVAL=0.5``), the TOML file given by ``--config`` / ``SE_RELAY_CONFIG``
+(keys are the setting names, ``poll_interval = 0.5``), then the defaults. Everything inside the
+agent takes :class:`AgentSettings`; nothing else reads ``os.environ``.
+
+>>> settings = AgentSettings(imds_url="http://127.0.0.1:8080/vm/web-7", broker="memory://demo")
+>>> settings.poll_interval
+1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from schemas import API_VERSIONS, DEFAULT_API_VERSION, ConfigError
+from schemas.channels import DEFAULT_CHANNELS, ChannelNames
+from schemas.transitions import TransitionKind
+from schemas.transport import broker_kind, redact
+
+__all__ = ["ENV_PREFIX", "AgentSettings", "HookSpec", "parse_settings"]
+
+ENV_PREFIX = "SE_RELAY_"
+DEFAULT_STATE_DIR = Path("/var/lib/scheduled-events-agent")
+
+
+@dataclass(frozen=True, slots=True)
+class HookSpec:
+    """A local command run on chosen transitions: ``started,scheduled=/usr/local/bin/drain``."""
+
+    on: frozenset[TransitionKind]
+    command: str
+
+    @classmethod
+    def parse(cls, text: str) -> HookSpec:
+        kinds, sep, command = text.partition("=")
+        if not sep or not command.strip():
+            raise ConfigError(f"hook {text!r}: expected KIND[,KIND...]=COMMAND")
+        try:
+            on = frozenset(TransitionKind(k.strip()) for k in kinds.split(",") if k.strip())
+        except ValueError as exc:
+            known = ", ".join(k.value for k in TransitionKind)
+            raise ConfigError(f"hook {text!r}: transitions are among {known}") from exc
+        if not on:
+            raise ConfigError(f"hook {text!r}: name at least one transition")
+        return cls(on=on, command=command.strip())
+
+    def __str__(self) -> str:
+        return f"{','.join(sorted(self.on))}={self.command}"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """Everything the agent can be told. Validated on construction (:class:`ConfigError`
+    naming the setting)."""
+
+    #: Base URL; the agent appends ``/metadata/...`` (a simulator VM: ``http://H:P/vm/NAME``).
+    imds_url: str = "http://169.254.169.254"
+    api_version: str = DEFAULT_API_VERSION
+    instance_api_version: str = "2021-02-01"
+    #: ``amqp://`` / ``amqps://`` (RabbitMQ), ``memory://NAME`` (in-process), Service Bus later.
+    broker: str = "memory://"
+    #: Where the SQLite state lives; None keeps it in memory (nothing survives the process).
+    state_dir: Path | None = DEFAULT_STATE_DIR
+    poll_interval: float = 1.0
+    #: Poll interval while something is happening (a change, an approval, a near NotBefore).
+    fast_poll_interval: float = 0.25
+    #: How long polling stays fast after a change or an approval.
+    fast_poll_seconds: float = 10.0
+    #: Poll fast when a Scheduled event's NotBefore is closer than this.
+    not_before_lead_seconds: float = 15.0
+    #: IMDS allows 5 requests per second per VM; counts GET and POST alike.
+    imds_max_rps: int = 5
+    imds_timeout: float = 5.0
+    #: The very first call may take up to two minutes while IMDS enables the service.
+    imds_first_timeout: float = 120.0
+    trust_keys: tuple[Path, ...] = ()
+    accept_unsigned_approvals: bool = False
+    dry_run: bool = False
+    all_events: bool = False
+    #: Local port for /metrics and /healthz; None: no server, 0: any free port.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    log_format: str = "text"
+    log_level: str = "INFO"
+    heartbeat_interval: float = 60.0
+    #: Outbox bound in messages. Heartbeats are dropped first; transitions and every other
+    #: message are never dropped (the outbox grows past the bound, and says so loudly).
+    outbox_limit: int = 10_000
+    #: How long SIGTERM / stop() waits for the outbox to drain before giving up.
+    drain_timeout: float = 10.0
+    publish_timeout: float = 10.0
+    hooks: tuple[HookSpec, ...] = ()
+    hook_timeout: float = 60.0
+    #: Broker entity names (tests give each run names of its own).
+    channels: ChannelNames = field(default=DEFAULT_CHANNELS)
+
+    def __post_init__(self) -> None:
+        _check_url("imds_url", self.imds_url)
+        try:
+            broker_kind(self.broker)
+        except ConfigError as exc:
+            raise ConfigError(f"broker: {exc}") from exc
+        if self.api_version not in API_VERSIONS:
+            raise ConfigError(
+                f"api_version {self.api_version!r} is not one of {', '.join(API_VERSIONS)}"
+            )
+        for name in (
+            "poll_interval",
+            "fast_poll_interval",
+            "imds_timeout",
+            "imds_first_timeout",
+            "heartbeat_interval",
+            "drain_timeout",
+            "publish_timeout",
+            "hook_timeout",
+        ):
+            _check_positive(name, getattr(self, name))
+        for name in ("fast_poll_seconds", "not_before_lead_seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+        if not 1 <= self.imds_max_rps <= 5:
+            raise ConfigError(
+                f"imds_max_rps must be 1..5 (the IMDS limit), got {self.imds_max_rps}"
+            )
+        if self.outbox_limit < 1:
+            raise ConfigError(f"outbox_limit must be >= 1, got {self.outbox_limit}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(
+                f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
+            )
+        for path in self.trust_keys:
+            if not path.is_file():
+                raise ConfigError(f"trust_keys: {path} is not a readable file")
+
+    @property
+    def observe_only(self) -> bool:
+        """No trusted key and unsigned approvals refused: every approval is refused."""
+        return not self.trust_keys and not self.accept_unsigned_approvals
+
+    def summary(self) -> dict[str, Any]:
+        """The settings without secrets, for ``agent.online`` and the start-up log."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "broker":
+                value = redact(value)
+            elif f.name == "channels":
+                value = {"events_exchange": value.events_exchange, "vm_prefix": value.vm_prefix}
+            elif isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, tuple):
+                value = [str(v) for v in value]
+            out[f.name] = value
+        return out
+
+
+def _check_url(name: str, value: str) -> None:
+    split = urlsplit(value)
+    if split.scheme not in ("http", "https") or not split.hostname:
+        raise ConfigError(f"{name} must be an http:// URL, got {value!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+
+
+# --------------------------------------------------------------------------- flags, env, TOML
+
+
+def _bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _number(kind: type[int] | type[float], name: str, value: object) -> Any:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    try:
+        return kind(str(value))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name} must be a number, got {value!r}") from exc
+
+
+def _list(value: object) -> list[str]:
+    if isinstance(value, list | tuple):
+        return [str(v) for v in value]
+    return [part for part in str(value).split(",") if part.strip()]
+
+
+def _coerce(name: str, value: object) -> Any:
+    """A raw value from TOML, the environment or a flag, as the field's type."""
+    if name in ("accept_unsigned_approvals", "dry_run", "all_events"):
+        return _bool(name, value)
+    if name in ("imds_max_rps", "outbox_limit"):
+        return _number(int, name, value)
+    if name == "metrics_port":
+        return (
+            None if str(value).strip().lower() in ("", "none", "off") else _number(int, name, value)
+        )
+    if name == "state_dir":
+        return None if str(value).strip().lower() in ("", ":memory:") else Path(str(value))
+    if name == "trust_keys":
+        return tuple(
+            Path(p.strip())
+            for p in (value if isinstance(value, list | tuple) else str(value).split(","))
+            if str(p).strip()
+        )
+    if name == "hooks":
+        # In the environment several hooks are separated by ";" (commands may hold commas).
+        items = value if isinstance(value, list | tuple) else str(value).split(";")
+        return tuple(HookSpec.parse(str(h)) for h in items if str(h).strip())
+    if name == "channel_suffix":
+        return str(value)
+    if name in _FLOATS:
+        return _number(float, name, value)
+    return str(value)
+
+
+_FLOATS = {f.name for f in fields(AgentSettings) if f.type in ("float", float)}
+_SETTABLE = {f.name for f in fields(AgentSettings) if f.name != "channels"} | {"channel_suffix"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="scheduled-events-agent",
+        description=(
+            "Watch Azure IMDS Scheduled Events, publish every transition, apply signed approvals. "
+            f"Every flag can also be set as an environment variable {ENV_PREFIX}<NAME> or in the "
+            "TOML file given by --config (key = the flag name with underscores)."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML settings file (lowest precedence)")
+    p.add_argument("--imds-url", help="IMDS base URL (default http://169.254.169.254)")
+    p.add_argument(
+        "--api-version", help=f"Scheduled Events api-version (default {DEFAULT_API_VERSION})"
+    )
+    p.add_argument(
+        "--instance-api-version", help="instance metadata api-version (default 2021-02-01)"
+    )
+    p.add_argument("--broker", help="amqp://, amqps:// or memory://NAME (default memory://)")
+    p.add_argument("--state-dir", help=f"SQLite state directory (default {DEFAULT_STATE_DIR})")
+    p.add_argument("--poll-interval", help="seconds between polls when idle (default 1)")
+    p.add_argument("--fast-poll-interval", help="seconds between polls while busy (default 0.25)")
+    p.add_argument("--fast-poll-seconds", help="how long polling stays fast (default 10)")
+    p.add_argument(
+        "--not-before-lead-seconds", help="poll fast this close to a NotBefore (default 15)"
+    )
+    p.add_argument(
+        "--imds-max-rps", help="IMDS requests per second, all kinds, at most (1..5, default 5)"
+    )
+    p.add_argument("--imds-timeout", help="seconds per IMDS request (default 5)")
+    p.add_argument(
+        "--imds-first-timeout", help="seconds for the very first IMDS request (default 120)"
+    )
+    p.add_argument(
+        "--trust-key",
+        dest="trust_keys",
+        action="append",
+        metavar="FILE",
+        help="Ed25519 public key whose approvals are trusted (repeatable)",
+    )
+    p.add_argument(
+        "--accept-unsigned-approvals",
+        action="store_const",
+        const=True,
+        help="apply approvals without a signature (unsafe; for trusted brokers only)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_const",
+        const=True,
+        help="verify and report approvals but never POST them to IMDS",
+    )
+    p.add_argument(
+        "--all-events",
+        action="store_const",
+        const=True,
+        help="publish events of every VM in the document, not only this VM's",
+    )
+    p.add_argument("--metrics-port", help="port for /metrics and /healthz (0: any; default off)")
+    p.add_argument("--metrics-host", help="address for /metrics and /healthz (default 127.0.0.1)")
+    p.add_argument("--log-format", help="text or json (default text)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    p.add_argument("--heartbeat-interval", help="seconds between agent.heartbeat (default 60)")
+    p.add_argument("--outbox-limit", help="outbox bound; heartbeats dropped first (default 10000)")
+    p.add_argument("--drain-timeout", help="seconds to drain the outbox on stop (default 10)")
+    p.add_argument("--publish-timeout", help="seconds to wait for a broker confirm (default 10)")
+    p.add_argument(
+        "--hook",
+        dest="hooks",
+        action="append",
+        metavar="KINDS=COMMAND",
+        help="run COMMAND on these transitions, e.g. started=/usr/local/bin/drain (repeatable)",
+    )
+    p.add_argument("--hook-timeout", help="seconds a hook may run (default 60)")
+    p.add_argument("--channel-suffix", help="suffix for every broker entity name (tests)")
+    return p
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> AgentSettings:
+    """Settings from flags > environment > TOML file > defaults; :class:`ConfigError` naming
+    the setting when one is invalid. ``--help`` exits through argparse."""
+    import os
+
+    env = os.environ if environ is None else environ
+    flags = vars(_parser().parse_args(argv))
+    config_path = flags.pop("config", None) or env.get(f"{ENV_PREFIX}CONFIG")
+    raw: dict[str, object] = {}
+    if config_path:
+        raw.update(_read_toml(Path(config_path)))
+    for name in _SETTABLE:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            raw[name] = env[key]
+    raw.update(flags)
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        values[name] = _coerce(name, value)
+    suffix = values.pop("channel_suffix", None)
+    if suffix:
+        values["channels"] = DEFAULT_CHANNELS.suffixed(suffix)
+    return AgentSettings(**values)
+
+
+def _read_toml(path: Path) -> dict[str, object]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        name = {"trust_key": "trust_keys", "hook": "hooks"}.get(name, name)
+        if name not in _SETTABLE:
+            raise ConfigError(f"config: {path} has an unknown setting {key!r}")
+        out[name] = value
+    return out
