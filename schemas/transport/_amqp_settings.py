@@ -1,0 +1,125 @@
+"""The RabbitMQ transport's settings: typed, validated once, from code defaults and the URL.
+
+Options go in the URL query, so one string configures a deployment::
+
+    amqp://relay:secret@rabbit.internal:5672/prod?reconnect_interval=1&confirm_timeout=10
+
+==================== ======= ==============================================================
+``reconnect_interval`` 0.5 s between reconnect attempts (each spread by +/-20 % jitter)
+``reconnect_timeout``  30 s  how long ``publish`` waits for a lost link to come back
+``confirm_timeout``    10 s  how long ``publish`` waits for the broker's confirm
+``connect_timeout``    10 s  one connection attempt (TCP + AMQP handshake)
+``heartbeat``          30 s  AMQP heartbeat; 0 turns it off
+``approval_ttl``       600 s how long an approval waits in a VM's queue
+``delivery_limit``     20    deliveries of a group message before the broker dead-letters it
+``name``               ...   the connection name operators see in the management UI
+==================== ======= ==============================================================
+
+TLS options of the underlying client (``cafile``, ``capath``, ``cadata``, ``certfile``,
+``keyfile``, ``no_verify_ssl``) and ``auth`` pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass, fields, replace
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from .._errors import ConfigError
+
+__all__ = ["AmqpSettings", "parse_amqp_url"]
+
+_PASSTHROUGH = frozenset(
+    {"cafile", "capath", "cadata", "certfile", "keyfile", "no_verify_ssl", "auth"}
+)
+
+
+def _default_name() -> str:
+    return f"scheduled-events-relay {socket.gethostname()} pid {os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class AmqpSettings:
+    """How the transport talks to RabbitMQ. URL query options override these."""
+
+    reconnect_interval: float = 0.5
+    reconnect_timeout: float = 30.0
+    confirm_timeout: float = 10.0
+    connect_timeout: float = 10.0
+    heartbeat: int = 30
+    approval_ttl: float = 600.0
+    delivery_limit: int = 20
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("reconnect_interval", "reconnect_timeout", "confirm_timeout"):
+            _positive(name, getattr(self, name))
+        _positive("connect_timeout", self.connect_timeout)
+        _positive("approval_ttl", self.approval_ttl)
+        if not 0 <= self.heartbeat <= 65535:
+            raise ConfigError(f"heartbeat must be 0..65535 seconds, not {self.heartbeat}")
+        if self.delivery_limit < 1:
+            raise ConfigError(f"delivery_limit must be at least 1, not {self.delivery_limit}")
+
+    @property
+    def connection_name(self) -> str:
+        return self.name or _default_name()
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+def parse_amqp_url(url: str, base: AmqpSettings | None = None) -> tuple[str, AmqpSettings]:
+    """Split ``url`` into the URL the client library gets and the transport's settings.
+
+    Raises :class:`ConfigError` naming the option for an unknown option or a bad value.
+    """
+    split = urlsplit(url.strip())
+    if split.scheme.lower() not in ("amqp", "amqps"):
+        raise ConfigError(f"a RabbitMQ URL starts with amqp:// or amqps://, not {split.scheme!r}")
+    if not split.hostname:
+        raise ConfigError("the RabbitMQ URL has no host")
+    try:
+        split.port  # noqa: B018 - validates the port
+    except ValueError as exc:
+        raise ConfigError(f"the RabbitMQ URL has a bad port: {exc}") from exc
+    settings = base or AmqpSettings()
+    types = {field.name: field.type for field in fields(AmqpSettings)}
+    changes: dict[str, object] = {}
+    passthrough: list[tuple[str, str]] = []
+    for key, value in parse_qsl(split.query, keep_blank_values=True):
+        if key in _PASSTHROUGH:
+            passthrough.append((key, value))
+            continue
+        kind = types.get(key)
+        if kind is None:
+            known = ", ".join(sorted([*types, *_PASSTHROUGH]))
+            raise ConfigError(f"unknown RabbitMQ URL option {key!r}; known options: {known}")
+        changes[key] = _convert(key, value, str(kind))
+    try:
+        settings = replace(settings, **changes)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise ConfigError(f"RabbitMQ URL option: {exc}") from exc
+    query = [
+        *passthrough,
+        ("heartbeat", str(settings.heartbeat)),
+        ("name", settings.connection_name),
+    ]
+    return split._replace(query=urlencode(query)).geturl(), settings
+
+
+def _convert(key: str, value: str, kind: str) -> object:
+    try:
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+    except ValueError as exc:
+        raise ConfigError(f"RabbitMQ URL option {key}={value!r} is not a number") from exc
+    if not value:
+        raise ConfigError(f"RabbitMQ URL option {key} is empty")
+    return value

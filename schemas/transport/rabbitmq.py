@@ -1,0 +1,553 @@
+"""The RabbitMQ transport (aio-pika): confirmed, persistent, and patient with a flaky link.
+
+Topology (declared idempotently, durable; names from :class:`~schemas.ChannelNames`)::
+
+    events_exchange      topic   lifecycle messages, routing key <type>.<EventType>.<vm>
+      └─ group_prefix+G          quorum queue per consumer group, bound with "#"
+         (x-dead-letter-exchange -> group_prefix+G.dead-letter, x-delivery-limit)
+    group_prefix+G.dead-letter   fanout exchange + quorum queue: the group's dead letters
+    approvals_exchange   direct  approvals, routing key = VM name (case-folded)
+      └─ vm_prefix+vm            the VM's queue (classic, x-message-ttl = approval_ttl)
+
+Publishing uses publisher confirms with ``mandatory``: :meth:`publish` returns once the broker
+confirmed, and raises :class:`PublishNotConfirmed` on a nack, on an unroutable message, or when
+no confirm came in ``confirm_timeout``. An approval to a VM whose agent never declared its queue
+is unroutable, so its sender learns it (the sender does not create queues for VMs).
+
+While the link is down, the robust connection reconnects every ``reconnect_interval`` (with
+jitter); ``publish`` waits up to ``reconnect_timeout`` for it and then raises
+:class:`TransportError`, so the caller keeps the message (outbox) and tries later. A publish
+cut off before its confirm is sent again after the reconnect: at-least-once, and message ids
+are deterministic so consumers drop the duplicate. Consumers resume by themselves.
+
+::
+
+    async with RabbitMQTransport("amqp://guest:guest@127.0.0.1/?confirm_timeout=5") as t:
+        await t.publish(lifecycle_message(msg))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Self
+
+import aio_pika
+import aio_pika.abc
+import aiormq.exceptions
+from yarl import URL
+
+from .._errors import ConfigError, PublishNotConfirmed, TransportError
+from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
+from . import redact
+from ._amqp_consume import AmqpSubscription
+from ._amqp_errors import FAILURES, REFUSALS, config_error, is_spurious_cancel, reason
+from ._amqp_settings import AmqpSettings, parse_amqp_url
+from ._base import OutgoingMessage
+
+__all__ = ["AmqpSettings", "RabbitMQTransport"]
+
+log = logging.getLogger(__name__)
+
+_DEAD_LETTER_SUFFIX = ".dead-letter"
+_QUORUM = {"x-queue-type": "quorum"}
+_CLOSE_TIMEOUT = 5.0
+_RETRY_PAUSE_CAP = 1.0
+
+
+class _JitteredRobustConnection(aio_pika.RobustConnection):
+    """aio-pika waits a fixed interval between reconnect attempts: a fleet cut off together
+    would come back in lock-step. Each read of the interval is spread by +/-20 %."""
+
+    _base_interval: float = 0.5
+
+    @property
+    def reconnect_interval(self) -> float:
+        return self._base_interval * random.uniform(0.8, 1.2)
+
+    @reconnect_interval.setter
+    def reconnect_interval(self, value: float) -> None:
+        self._base_interval = float(value)
+
+
+class RabbitMQTransport:
+    """The :class:`~schemas.transport.Transport` over RabbitMQ (``amqp://`` / ``amqps://``)."""
+
+    name = "rabbitmq"
+
+    def __init__(
+        self,
+        url: str,
+        channels: ChannelNames = DEFAULT_CHANNELS,
+        *,
+        settings: AmqpSettings | None = None,
+    ) -> None:
+        self._url, self.settings = parse_amqp_url(url, settings)
+        self.display_url = redact(url)
+        self.channels = channels
+        self._connection: aio_pika.abc.AbstractRobustConnection | None = None
+        self._channel: aio_pika.abc.AbstractRobustChannel | None = None
+        self._exchanges: dict[str, aio_pika.abc.AbstractExchange] = {}
+        self._subscriptions: set[AmqpSubscription] = set()
+        self._closing = False
+        self._lost_at: float | None = None
+
+    # -- connection ---------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Connect, open the publishing channel, declare both exchanges.
+
+        Raises :class:`TransportError` when the broker cannot be reached within
+        ``connect_timeout``, :class:`ConfigError` when an exchange exists with another type.
+        """
+        if self._connection is not None:
+            return
+        self._closing = False
+        settings = self.settings
+        log.info("connecting to RabbitMQ %s as %r", self.display_url, settings.connection_name)
+        connection = _JitteredRobustConnection(
+            URL(self._url),
+            reconnect_interval=settings.reconnect_interval,
+            client_properties={"connection_name": settings.connection_name},
+        )
+        try:
+            async with asyncio.timeout(settings.connect_timeout + 1):
+                await connection.connect(timeout=settings.connect_timeout)
+        except FAILURES as exc:
+            await self._close_quietly(connection)
+            raise TransportError(
+                f"cannot connect to RabbitMQ at {self.display_url}: {reason(exc)}"
+            ) from exc
+        except BaseException:
+            await self._close_quietly(connection)
+            raise
+        connection.close_callbacks.add(self._on_link_lost)
+        connection.reconnect_callbacks.add(self._on_link_restored)
+        self._connection = connection
+        try:
+            await self._declare(self._declare_exchanges)
+            channel = connection.channel(publisher_confirms=True, on_return_raises=True)
+            async with asyncio.timeout(settings.connect_timeout):
+                await channel.initialize()
+                # Declared on the robust channel too, so a reconnect re-declares them.
+                for exchange in await self._declare_exchanges(channel):
+                    self._exchanges[exchange.name] = exchange
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, FAILURES):
+                raise TransportError(
+                    f"RabbitMQ at {self.display_url}: opening the publishing channel failed: "
+                    f"{reason(exc)}"
+                ) from exc
+            raise
+        self._channel = channel
+        log.info("connected to RabbitMQ %s", self.display_url)
+
+    async def _declare_exchanges(
+        self, channel: aio_pika.abc.AbstractChannel
+    ) -> list[aio_pika.abc.AbstractExchange]:
+        # No arguments: every producer and consumer can declare them the same way.
+        return [
+            await channel.declare_exchange(
+                self.channels.events_exchange, aio_pika.ExchangeType.TOPIC, durable=True
+            ),
+            await channel.declare_exchange(
+                self.channels.approvals_exchange, aio_pika.ExchangeType.DIRECT, durable=True
+            ),
+        ]
+
+    async def close(self) -> None:
+        """Stop the subscriptions (their unsettled messages go back), then disconnect."""
+        self._closing = True
+        for subscription in list(self._subscriptions):
+            await subscription.close()
+        self._subscriptions.clear()
+        connection, self._connection = self._connection, None
+        self._channel = None
+        self._exchanges.clear()
+        if connection is not None:
+            await self._close_quietly(connection)
+            log.info("disconnected from RabbitMQ %s", self.display_url)
+
+    async def _close_quietly(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
+        try:
+            async with asyncio.timeout(_CLOSE_TIMEOUT):
+                await connection.close()
+        except FAILURES as exc:
+            log.warning("closing the connection to %s failed (%s): dropped", self.display_url, exc)
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _on_link_lost(self, _sender: object, exc: BaseException | None) -> None:
+        if self._closing:
+            return
+        self._lost_at = asyncio.get_running_loop().time()
+        log.warning(
+            "lost the link to RabbitMQ %s (%s): reconnecting every ~%.1f s; publishing waits up "
+            "to %.0f s for it, then fails so the caller keeps the message and retries",
+            self.display_url,
+            exc if exc is not None else "closed",
+            self.settings.reconnect_interval,
+            self.settings.reconnect_timeout,
+        )
+
+    def _on_link_restored(self, _sender: object) -> None:
+        now = asyncio.get_running_loop().time()
+        down = now - self._lost_at if self._lost_at is not None else 0.0
+        self._lost_at = None
+        log.info(
+            "link to RabbitMQ %s restored after %.2f s down: publishing and %d consumer(s) resume",
+            self.display_url,
+            down,
+            len(self._subscriptions),
+        )
+
+    def _require(self) -> tuple[aio_pika.abc.AbstractRobustConnection, Any]:
+        if self._connection is None or self._channel is None:
+            raise TransportError("the RabbitMQ transport is not connected (use `async with`)")
+        return self._connection, self._channel
+
+    async def _wait_link(self, deadline: float, what: str) -> None:
+        connection, channel = self._require()
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            async with asyncio.timeout(max(remaining, 0.0)):
+                await connection.ready()
+                await channel.ready()
+        except TimeoutError as exc:
+            raise TransportError(
+                f"{what}: RabbitMQ at {self.display_url} has been unreachable for "
+                f"{self.settings.reconnect_timeout:g} s; the caller should keep it and retry"
+            ) from exc
+
+    # -- publishing -----------------------------------------------------------------------------
+
+    def reply_address(self, vm: str) -> ReplyAddress:
+        return ReplyAddress(channel=self.channels.approvals_exchange, key=vm)
+
+    async def publish(self, message: OutgoingMessage) -> None:
+        await self._publish(
+            self.channels.events_exchange,
+            message.routing_key,
+            _amqp_message(message),
+            f"message {message.message_id}",
+        )
+
+    async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
+        if to.channel != self.channels.approvals_exchange:
+            raise ConfigError(
+                f"approval {message.message_id} is addressed to {to}, but this transport's "
+                f"approvals exchange is {self.channels.approvals_exchange!r}: sender and agent "
+                "use different channel names"
+            )
+        await self._publish(
+            to.channel,
+            to.key.casefold(),
+            _amqp_message(message),
+            f"approval {message.message_id} for {to.key}",
+        )
+
+    async def _publish(
+        self, exchange_name: str, routing_key: str, message: aio_pika.Message, what: str
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.reconnect_timeout
+        attempt = 0
+        while True:
+            await self._wait_link(deadline, what)
+            _, channel = self._require()
+            exchange = self._exchanges.get(exchange_name)
+            if exchange is None:
+                exchange = self._exchanges[exchange_name] = await channel.get_exchange(
+                    exchange_name, ensure=False
+                )
+            try:
+                await exchange.publish(
+                    message,
+                    routing_key,
+                    mandatory=True,
+                    timeout=self.settings.confirm_timeout,
+                )
+            except aiormq.exceptions.PublishError as exc:
+                raise PublishNotConfirmed(
+                    f"{what}: RabbitMQ returned it unroutable ({reason(exc)}): no queue is bound "
+                    f"to {exchange_name!r} for routing key {routing_key!r}"
+                ) from exc
+            except aiormq.exceptions.DeliveryError as exc:
+                raise PublishNotConfirmed(f"{what}: RabbitMQ refused it (nack)") from exc
+            except TimeoutError as exc:
+                raise PublishNotConfirmed(
+                    f"{what}: no confirm from RabbitMQ within {self.settings.confirm_timeout:g} s"
+                ) from exc
+            except REFUSALS as exc:
+                raise TransportError(f"{what}: RabbitMQ refused it: {reason(exc)}") from exc
+            except asyncio.CancelledError as exc:
+                if not is_spurious_cancel(exc):
+                    raise
+                failure: BaseException = exc
+            except FAILURES as exc:
+                failure = exc
+            else:
+                if attempt:
+                    log.info("%s published after %d interrupted attempt(s)", what, attempt)
+                return
+            attempt += 1
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TransportError(
+                    f"{what}: not confirmed, the link to {self.display_url} kept failing "
+                    f"({reason(failure)})"
+                ) from failure
+            log.warning(
+                "%s interrupted (%s): the link is down; publishing again once it is back "
+                "(giving up in %.1f s)",
+                what,
+                reason(failure),
+                remaining,
+            )
+            pause = min(0.05 * 2**attempt, _RETRY_PAUSE_CAP) * random.uniform(0.5, 1.0)
+            await asyncio.sleep(min(pause, remaining))
+
+    # -- topology -------------------------------------------------------------------------------
+
+    def group_queue(self, group: str) -> str:
+        return f"{self.channels.group_prefix}{group}"
+
+    def dead_letter_name(self, group: str) -> str:
+        """The group's dead-letter exchange and queue (one name, two namespaces)."""
+        return f"{self.channels.group_prefix}{group}{_DEAD_LETTER_SUFFIX}"
+
+    def vm_queue(self, vm: str) -> str:
+        return f"{self.channels.vm_prefix}{vm.casefold()}"
+
+    async def _declare(
+        self, steps: Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]]
+    ) -> None:
+        """Run declarations on a short-lived plain channel, so a refusal (which closes the
+        channel) costs nothing else and is reported as such."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.reconnect_timeout
+        connection = self._connection
+        if connection is None:
+            raise TransportError("the RabbitMQ transport is not connected (use `async with`)")
+        try:
+            async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
+                await connection.ready()
+            async with asyncio.timeout(self.settings.confirm_timeout):
+                channel = aio_pika.Channel(connection, publisher_confirms=False)
+                await channel.initialize()
+                try:
+                    await steps(channel)
+                finally:
+                    if not channel.is_closed:
+                        await channel.close()
+        except asyncio.CancelledError as exc:
+            if not is_spurious_cancel(exc):
+                raise
+            raise TransportError(f"declaring on {self.display_url}: link lost") from exc
+        except (ConfigError, TransportError):
+            raise
+        except FAILURES as exc:
+            raise TransportError(
+                f"declaring on RabbitMQ {self.display_url} failed: {reason(exc)}"
+            ) from exc
+
+    async def _queue_exists(self, name: str) -> bool:
+        exists = True
+
+        async def probe(channel: aio_pika.abc.AbstractChannel) -> None:
+            nonlocal exists
+            try:
+                await channel.declare_queue(name, passive=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                exists = False
+
+        await self._declare(probe)
+        return exists
+
+    async def _declare_group(self, group: str, exclusive: bool | None) -> None:
+        """``exclusive=None``: create the group's queue if missing, else take it as it is."""
+        queue = self.group_queue(group)
+        dead = self.dead_letter_name(group)
+        if exclusive is None and await self._queue_exists(queue):
+            exclusive = False
+            declare_queue = False
+        else:
+            declare_queue = True
+        arguments: dict[str, Any] = {
+            **_QUORUM,
+            "x-dead-letter-exchange": dead,
+            "x-delivery-limit": self.settings.delivery_limit,
+        }
+        if exclusive:
+            arguments["x-single-active-consumer"] = True
+
+        async def steps(channel: aio_pika.abc.AbstractChannel) -> None:
+            dead_exchange = await channel.declare_exchange(
+                dead, aio_pika.ExchangeType.FANOUT, durable=True
+            )
+            dead_queue = await self._checked_queue(channel, dead, dict(_QUORUM), "")
+            await dead_queue.bind(dead_exchange, "")
+            if declare_queue:
+                hint = (
+                    f"subscribe to {group!r} with the exclusive= it was created with, or delete "
+                    f"the queue {queue!r} (its messages go with it) so it is declared again"
+                )
+                declared = await self._checked_queue(channel, queue, arguments, hint)
+                await declared.bind(self.channels.events_exchange, "#")
+
+        await self._declare(steps)
+
+    async def _checked_queue(
+        self,
+        channel: aio_pika.abc.AbstractChannel,
+        name: str,
+        arguments: dict[str, Any],
+        hint: str,
+    ) -> aio_pika.abc.AbstractQueue:
+        try:
+            return await channel.declare_queue(name, durable=True, arguments=arguments)
+        except aiormq.exceptions.ChannelPreconditionFailed as exc:
+            raise config_error(
+                exc,
+                f"queue {name!r}",
+                hint or f"delete the queue {name!r} so it is declared again",
+            ) from exc
+
+    async def declare_group(self, group: str) -> None:
+        """Create the group's queue (competing consumers) if missing. A group read by one
+        consumer at a time is created by ``subscribe(group, exclusive=True)`` instead."""
+        self._require()
+        await self._declare_group(group, None)
+
+    async def _declare_vm(self, vm: str) -> None:
+        queue = self.vm_queue(vm)
+        arguments = {"x-message-ttl": round(self.settings.approval_ttl * 1000)}
+        hint = (
+            f"use the approval_ttl it was created with, or delete the queue {queue!r} so it is "
+            "declared again"
+        )
+
+        async def steps(channel: aio_pika.abc.AbstractChannel) -> None:
+            declared = await self._checked_queue(channel, queue, arguments, hint)
+            await declared.bind(self.channels.approvals_exchange, vm.casefold())
+
+        await self._declare(steps)
+
+    # -- consuming ------------------------------------------------------------------------------
+
+    async def _consumer_channel(self, prefetch: int) -> aio_pika.abc.AbstractRobustChannel:
+        connection, _ = self._require()
+        channel = connection.channel(publisher_confirms=False)
+        try:
+            async with asyncio.timeout(self.settings.confirm_timeout):
+                await channel.initialize()
+                await channel.set_qos(prefetch_count=prefetch)
+        except FAILURES as exc:
+            raise TransportError(f"opening a consumer channel failed: {reason(exc)}") from exc
+        return channel
+
+    def _subscription(
+        self,
+        queue: str,
+        *,
+        prefetch: int,
+        declare: Callable[[], Awaitable[None]],
+        dead_letter_exchange: str | None,
+    ) -> AmqpSubscription:
+        self._require()
+        if prefetch < 1:
+            raise ConfigError(f"prefetch must be at least 1, not {prefetch}")
+        subscription = AmqpSubscription(
+            queue,
+            prefetch=prefetch,
+            declare=declare,
+            open_channel=self._consumer_channel,
+            publish=self._publish,
+            dead_letter_exchange=dead_letter_exchange,
+            on_close=self._subscriptions.discard,
+            start_timeout=self.settings.reconnect_timeout + self.settings.confirm_timeout,
+        )
+        self._subscriptions.add(subscription)
+        return subscription
+
+    def subscribe(
+        self, group: str, *, prefetch: int = 64, exclusive: bool = False
+    ) -> AmqpSubscription:
+        """Consume the group's queue. ``exclusive`` is ``x-single-active-consumer``, fixed when
+        the queue is created: asking for the other value raises :class:`ConfigError`."""
+        return self._subscription(
+            self.group_queue(group),
+            prefetch=prefetch,
+            declare=lambda: self._declare_group(group, exclusive),
+            dead_letter_exchange=self.dead_letter_name(group),
+        )
+
+    def approvals(self, vm: str, *, prefetch: int = 8) -> AmqpSubscription:
+        return self._subscription(
+            self.vm_queue(vm),
+            prefetch=prefetch,
+            declare=lambda: self._declare_vm(vm),
+            dead_letter_exchange=None,
+        )
+
+    def dead_letters(self, group: str) -> AmqpSubscription:
+        return self._subscription(
+            self.dead_letter_name(group),
+            prefetch=16,
+            declare=lambda: self._declare_group(group, None),
+            dead_letter_exchange=None,
+        )
+
+    # -- housekeeping ---------------------------------------------------------------------------
+
+    async def delete_topology(
+        self, *, groups: Iterable[str] = (), vms: Iterable[str] = (), exchanges: bool = False
+    ) -> None:
+        """Delete the named groups' and VMs' queues (with their messages), and with
+        ``exchanges`` this transport's two exchanges. For tests and decommissioning."""
+        self._require()
+        queues = [self.vm_queue(vm) for vm in vms]
+        dead_exchanges = []
+        for group in groups:
+            queues += [self.group_queue(group), self.dead_letter_name(group)]
+            dead_exchanges.append(self.dead_letter_name(group))
+        names = list(dead_exchanges)
+        if exchanges:
+            names += [self.channels.events_exchange, self.channels.approvals_exchange]
+
+        async def steps(channel: aio_pika.abc.AbstractChannel) -> None:
+            for queue in queues:
+                await channel.queue_delete(queue)
+            for exchange in names:
+                await channel.exchange_delete(exchange)
+
+        await self._declare(steps)
+        if exchanges:
+            self._exchanges.clear()
+
+
+def _amqp_message(message: OutgoingMessage) -> aio_pika.Message:
+    return aio_pika.Message(
+        body=message.body,
+        headers=dict(message.properties),
+        content_type=message.content_type,
+        message_id=message.message_id,
+        timestamp=datetime.now(UTC),
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        expiration=message.ttl_seconds,
+    )

@@ -1,0 +1,104 @@
+"""The brokers the transport contract suite runs against, one factory each.
+
+To add a backend, write an ``async`` context manager that yields a :class:`Backend` and
+register it in :data:`BACKENDS` with the pytest marks it needs; every contract test then runs
+against it too. Where brokers legitimately differ, :class:`Backend` says how (a flag), and the
+test branches on that flag, never on the backend's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from schemas.channels import ChannelNames
+from schemas.transport import MemoryBroker, MemoryTransport, Transport
+
+__all__ = ["BACKENDS", "Backend", "closed_port"]
+
+
+@dataclass
+class Backend:
+    """One broker for one test: fresh transports on it, and the names to delete afterwards."""
+
+    name: str
+    channels: ChannelNames
+    #: A new, unconnected transport on the test's broker (each one plays one process).
+    make: Callable[[], Transport]
+    #: A transport whose broker cannot be reached, where that can happen at all.
+    unreachable: Callable[[], Transport] | None = None
+    #: An approval to a VM that never declared its queue raises PublishNotConfirmed (RabbitMQ:
+    #: mandatory + unroutable); elsewhere it waits for the VM.
+    unroutable_approval_raises: bool = False
+    groups: set[str] = field(default_factory=set)
+    vms: set[str] = field(default_factory=set)
+
+    def group(self, name: str) -> str:
+        self.groups.add(name)
+        return name
+
+    def vm(self, name: str) -> str:
+        self.vms.add(name)
+        return name
+
+    @contextlib.asynccontextmanager
+    async def transport(self) -> AsyncIterator[Any]:
+        async with self.make() as transport:
+            yield transport
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@contextlib.asynccontextmanager
+async def memory_backend(request: pytest.FixtureRequest, unique: str) -> AsyncIterator[Backend]:
+    name = f"contract-{unique}"
+    channels = ChannelNames().suffixed(unique)
+    try:
+        yield Backend("memory", channels, lambda: MemoryTransport(name, channels))
+    finally:
+        MemoryBroker.discard(name)
+
+
+@contextlib.asynccontextmanager
+async def rabbitmq_backend(request: pytest.FixtureRequest, unique: str) -> AsyncIterator[Backend]:
+    from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
+
+    url: str = request.getfixturevalue("amqp_url")
+    channels = ChannelNames().suffixed(unique)
+    settings = AmqpSettings(connect_timeout=3, reconnect_timeout=5, confirm_timeout=5)
+    backend = Backend(
+        "rabbitmq",
+        channels,
+        lambda: RabbitMQTransport(url, channels, settings=settings),
+        unreachable=lambda: RabbitMQTransport(
+            f"amqp://guest:guest@127.0.0.1:{closed_port()}/", channels, settings=settings
+        ),
+        unroutable_approval_raises=True,
+    )
+    try:
+        yield backend
+    finally:
+        async with RabbitMQTransport(url, channels, settings=settings) as transport:
+            await transport.delete_topology(groups=backend.groups, vms=backend.vms, exchanges=True)
+
+
+BackendFactory = Callable[
+    [pytest.FixtureRequest, str], contextlib.AbstractAsyncContextManager[Backend]
+]
+
+#: name -> (factory, marks). The Service Bus backend adds one line here.
+BACKENDS: dict[str, tuple[BackendFactory, tuple[pytest.MarkDecorator, ...]]] = {
+    "memory": (memory_backend, ()),
+    "rabbitmq": (rabbitmq_backend, (pytest.mark.rabbitmq,)),
+}

@@ -1,0 +1,18 @@
+"""The ``backend`` fixture: every contract test runs once per registered broker."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from .backends import BACKENDS, Backend
+
+
+@pytest.fixture(
+    params=[pytest.param(name, marks=marks, id=name) for name, (_, marks) in BACKENDS.items()]
+)
+async def backend(request: pytest.FixtureRequest, unique: str) -> AsyncIterator[Backend]:
+    factory, _ = BACKENDS[request.param]
+    async with factory(request, unique) as instance:
+        yield instance
