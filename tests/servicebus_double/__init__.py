@@ -57,9 +57,9 @@ class ServiceBusDouble:
         for name in queues:
             self.namespace.declare_queue(name, self.options)
         for name in session_queues:
-            self.namespace.declare_queue(name, EntityOptions(**{
-                **self.options.__dict__, "requires_session": True
-            }))
+            self.namespace.declare_queue(
+                name, EntityOptions(**{**self.options.__dict__, "requires_session": True})
+            )
         topic_names = set(topics or {}) | set(session_topics or {})
         for name in sorted(topic_names):
             self.namespace.declare_topic(

@@ -36,6 +36,7 @@ from proton import (
     Event,
     Link,
     Message,
+    Terminus,
     symbol,
 )
 from proton import Handler
@@ -62,7 +63,7 @@ DATETIMEOFFSET_EPOCH = 621355968000000000  # .NET ticks at the Unix epoch
 DEFAULT_SESSION_WAIT = 60.0
 TICK_SECONDS = 0.05
 RECEIVER_CREDIT = 100
-STOP_GRACE_SECONDS = 0.5
+STOP_GRACE_SECONDS = 2.0
 
 
 class _ForceStop:
@@ -177,14 +178,17 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
             self.acceptor.close()
         if self.injector is not None:
             self.injector.close()
-        if self._container is not None:
-            self._container.schedule(STOP_GRACE_SECONDS, _ForceStop())
         for connection in list(self._connections):
             connection.close()
             transport = connection.transport
             if transport is not None:
                 transport.close_tail()
                 transport.close_head()
+        if self._container is not None:
+            if self._connections:
+                self._container.schedule(STOP_GRACE_SECONDS, _ForceStop())
+            else:
+                self._container.stop()
 
     # ---- connections and sessions ------------------------------------------------------------
 
@@ -214,6 +218,8 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
         if event.connection is not None:
             self._forget_connection(event.connection)
             self._connections.discard(event.connection)
+        if self._stopping and not self._connections and self._container is not None:
+            self._container.stop()
 
     def _forget_connection(self, connection: Any) -> None:
         for owner, link in list(self._links.items()):
@@ -235,8 +241,6 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
         link: Link = event.link
         terminus = link.remote_source if link.is_sender else link.remote_target
         address = terminus.address or ""
-        link.source.copy(link.remote_source)
-        link.target.copy(link.remote_target)
         link.snd_settle_mode = link.remote_snd_settle_mode
         link.rcv_settle_mode = link.remote_rcv_settle_mode
         owner = f"link-{next(self._owner_ids)}:{link.name}"
@@ -244,10 +248,10 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
             state = self._classify(link, address, owner)
         except BrokerError as exc:
             _LOGGER.info("refusing link %r to %r: %s", link.name, address, exc.description)
-            link.open()
-            link.condition = Condition(exc.condition, exc.description)
-            link.close()
+            self._refuse(link, exc.condition, exc.description)
             return
+        link.source.copy(link.remote_source)
+        link.target.copy(link.remote_target)
         link.sb_state = state
         self._links[owner] = link
         if state.pending_until is not None:
@@ -255,11 +259,33 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
             return
         self._open_link(link, state)
 
+    @staticmethod
+    def _refuse(link: Link, condition: str, description: str) -> None:
+        """Attach, then detach at once with the error.
+
+        For a client's sender the attach carries a null target, as Service Bus does: with an
+        echoed target the SDK would start sending and report a generic send failure instead of
+        the mapped error (``MessagingEntityNotFoundError``). For a client's receiver the source
+        is echoed: with a null source the SDK drops the link silently and its receive returns
+        nothing instead of raising.
+        """
+        if link.is_sender:
+            link.target.copy(link.remote_target)
+            link.source.copy(link.remote_source)
+        else:
+            link.source.copy(link.remote_source)
+            link.target.type = Terminus.UNSPECIFIED
+        link.open()
+        link.condition = Condition(condition, description)
+        link.close()
+
     def _classify(self, link: Link, address: str, owner: str) -> _LinkState:
         if address == "$cbs":
             return _LinkState(_Kind.CBS, address, owner)
         if address.lower().endswith("/$management"):
-            return _LinkState(_Kind.MANAGEMENT, self.namespace.check_management_node(address), owner)
+            return _LinkState(
+                _Kind.MANAGEMENT, self.namespace.check_management_node(address), owner
+            )
         if link.is_receiver:
             return _LinkState(_Kind.ENTITY, self.namespace.check_send_target(address), owner)
         path, requires_session = self.namespace.check_receive_source(address)
@@ -336,9 +362,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
         _LOGGER.info("no session for %s on %s: %s", state.owner, state.path, text)
         self._links.pop(state.owner, None)
         state.pending_until = None
-        link.open()
-        link.condition = Condition(condition, text)
-        link.close()
+        self._refuse(link, condition, text)
 
     def on_link_remote_close(self, event: Event) -> None:
         link: Link = event.link
@@ -572,7 +596,9 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
             app["errorCondition"] = symbol(condition)
         return Message(correlation_id=request.id, properties=app, body=value)
 
-    def _operation(self, state: _LinkState, operation: str, body: dict[Any, Any]) -> tuple[int, Any]:
+    def _operation(
+        self, state: _LinkState, operation: str, body: dict[Any, Any]
+    ) -> tuple[int, Any]:
         ns = self.namespace
         path = state.path
         if operation == "com.microsoft:renew-lock":

@@ -216,9 +216,7 @@ class Namespace:
             self._targets[name.lower()] = _SendTarget(name, options, destinations)
 
     def _new_entity(self, path: str, options: EntityOptions) -> _Entity:
-        dead_letter = _Entity(
-            path + DEAD_LETTER_SUFFIX, replace(options, requires_session=False)
-        )
+        dead_letter = _Entity(path + DEAD_LETTER_SUFFIX, replace(options, requires_session=False))
         entity = _Entity(path, options, dead_letter)
         self._entities[path.lower()] = entity
         self._entities[dead_letter.path.lower()] = dead_letter
@@ -275,7 +273,9 @@ class Namespace:
                 if window is not None and incoming.message_id is not None:
                     if incoming.message_id in target.seen_ids:
                         _LOGGER.info(
-                            "dropping duplicate message_id %r on %s", incoming.message_id, target.path
+                            "dropping duplicate message_id %r on %s",
+                            incoming.message_id,
+                            target.path,
                         )
                         continue
                     target.seen_ids[incoming.message_id] = now
@@ -464,9 +464,7 @@ class Namespace:
             self._clear_lock(message)
             message.deferred = True
 
-    def dead_letter(
-        self, token: uuid.UUID, reason: str | None, description: str | None
-    ) -> None:
+    def dead_letter(self, token: uuid.UUID, reason: str | None, description: str | None) -> None:
         with self._lock:
             entity, message = self._settle(token)
             self._move_to_dead_letter(entity, message, reason, description)
@@ -525,9 +523,7 @@ class Namespace:
             else:
                 expired = message.locked_until is not None and message.locked_until <= now
             if expired:
-                _LOGGER.info(
-                    "lock on %s #%d expired", entity.path, message.sequence_number
-                )
+                _LOGGER.info("lock on %s #%d expired", entity.path, message.sequence_number)
                 self._locks.pop(message.lock_token, None)
                 self._unlock(entity, message, increment=True)
                 changed = True

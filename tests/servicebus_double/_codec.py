@@ -50,7 +50,10 @@ def split_sections(payload: bytes) -> list[Section]:
         value = data.get_object()
         if not isinstance(value, Described) or value.descriptor not in SECTION_CODES:
             raise SectionError(f"not a message section at byte {pos}: {value!r}")
-        sections.append(Section(int(value.descriptor), value.value, payload[pos : pos + consumed]))
+        inner = value.value
+        if isinstance(inner, memoryview):  # proton's view dies with its Data: copy it now
+            inner = bytes(inner)
+        sections.append(Section(int(value.descriptor), inner, payload[pos : pos + consumed]))
         pos += consumed
     return sections
 
