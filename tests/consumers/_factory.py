@@ -24,30 +24,62 @@ T0 = datetime(2025, 1, 6, 12, 0, tzinfo=UTC)
 APPROVALS = "scheduled-events.approvals"
 
 
-def vm(name: str, *, scale_set: str | None = None, zone: str | None = None, fd: int | None = None,
-       rg: str = "rg-web") -> VmIdentity:
-    return VmIdentity(name=name, resource_group=rg, scale_set=scale_set, zone=zone,
-                      fault_domain=fd, subscription_id="sub-1")
+def vm(
+    name: str,
+    *,
+    scale_set: str | None = None,
+    zone: str | None = None,
+    fd: int | None = None,
+    rg: str = "rg-web",
+) -> VmIdentity:
+    return VmIdentity(
+        name=name,
+        resource_group=rg,
+        scale_set=scale_set,
+        zone=zone,
+        fault_domain=fd,
+        subscription_id="sub-1",
+    )
 
 
-def event(event_id: str = "EVT-1", *, event_type: str = "Reboot", status: str = "Scheduled",
-          resources: tuple[str, ...] = ("web-1",), source: str = "Platform",
-          duration: int = -1, not_before: datetime | None = None) -> ScheduledEvent:
+def event(
+    event_id: str = "EVT-1",
+    *,
+    event_type: str = "Reboot",
+    status: str = "Scheduled",
+    resources: tuple[str, ...] = ("web-1",),
+    source: str = "Platform",
+    duration: int = -1,
+    not_before: datetime | None = None,
+) -> ScheduledEvent:
     nb = not_before if status == "Scheduled" else None
     if status == "Scheduled" and nb is None:
         nb = T0 + timedelta(minutes=15)
-    return ScheduledEvent.from_imds({
-        "EventId": event_id, "EventStatus": status, "EventType": event_type,
-        "ResourceType": "VirtualMachine", "Resources": list(resources),
-        "NotBefore": "" if nb is None else nb.strftime("%a, %d %b %Y %H:%M:%S GMT"),
-        "Description": "test", "EventSource": source, "DurationInSeconds": duration,
-    })
+    return ScheduledEvent.from_imds(
+        {
+            "EventId": event_id,
+            "EventStatus": status,
+            "EventType": event_type,
+            "ResourceType": "VirtualMachine",
+            "Resources": list(resources),
+            "NotBefore": "" if nb is None else nb.strftime("%a, %d %b %Y %H:%M:%S GMT"),
+            "Description": "test",
+            "EventSource": source,
+            "DurationInSeconds": duration,
+        }
+    )
 
 
-def transition(kind: str, ev: ScheduledEvent, identity: VmIdentity, *, at: datetime = T0,
-               sequence: int = 0) -> TransitionMessage:
-    previous = {"scheduled": None, "started": "Scheduled", "updated": ev.event_status,
-                "completed": "Started", "canceled": "Scheduled"}[kind]
+def transition(
+    kind: str, ev: ScheduledEvent, identity: VmIdentity, *, at: datetime = T0, sequence: int = 0
+) -> TransitionMessage:
+    previous = {
+        "scheduled": None,
+        "started": "Scheduled",
+        "updated": ev.event_status,
+        "completed": "Started",
+        "canceled": "Scheduled",
+    }[kind]
     return TransitionMessage.build(
         Transition(TransitionKind(kind), ev, previous, 1),
         vm=identity,
@@ -57,33 +89,53 @@ def transition(kind: str, ev: ScheduledEvent, identity: VmIdentity, *, at: datet
     )
 
 
-def heartbeat(identity: VmIdentity, *, at: datetime = T0,
-              kind: MessageType = MessageType.AGENT_HEARTBEAT) -> AgentMessage:
+def heartbeat(
+    identity: VmIdentity, *, at: datetime = T0, kind: MessageType = MessageType.AGENT_HEARTBEAT
+) -> AgentMessage:
     return AgentMessage.build(
         kind,
-        AgentData(vm=identity, agent_version="0.1.0",
-                  reply_to=ReplyAddress(channel=APPROVALS, key=identity.name),
-                  reason="SIGTERM" if kind is MessageType.AGENT_OFFLINE else None),
-        observed_at=at, instance="run-1",
+        AgentData(
+            vm=identity,
+            agent_version="0.1.0",
+            reply_to=ReplyAddress(channel=APPROVALS, key=identity.name),
+            reason="SIGTERM" if kind is MessageType.AGENT_OFFLINE else None,
+        ),
+        observed_at=at,
+        instance="run-1",
     )
 
 
-def hook(identity: VmIdentity, ev: ScheduledEvent, *, exit_code: int = 0,
-         at: datetime = T0) -> HookResultMessage:
+def hook(
+    identity: VmIdentity, ev: ScheduledEvent, *, exit_code: int = 0, at: datetime = T0
+) -> HookResultMessage:
     return HookResultMessage.build(
-        HookResultData(vm=identity, event=ev, transition="scheduled", hook="drain.sh",
-                       exit_code=exit_code, timed_out=False, duration_seconds=0.5,
-                       reply_to=ReplyAddress(channel=APPROVALS, key=identity.name)),
+        HookResultData(
+            vm=identity,
+            event=ev,
+            transition="scheduled",
+            hook="drain.sh",
+            exit_code=exit_code,
+            timed_out=False,
+            duration_seconds=0.5,
+            reply_to=ReplyAddress(channel=APPROVALS, key=identity.name),
+        ),
         observed_at=at,
     )
 
 
-def outcome(identity: VmIdentity, ev: ScheduledEvent, *, applied: bool = True,
-            at: datetime = T0) -> ApprovalOutcomeMessage:
+def outcome(
+    identity: VmIdentity, ev: ScheduledEvent, *, applied: bool = True, at: datetime = T0
+) -> ApprovalOutcomeMessage:
     return ApprovalOutcomeMessage.build(
-        ApprovalOutcomeData(vm=identity, event_id=ev.event_id, approval_id="A-1",
-                            decided_by="approver", applied=applied,
-                            reason=None if applied else "bad-signature", event=ev,
-                            reply_to=ReplyAddress(channel=APPROVALS, key=identity.name)),
+        ApprovalOutcomeData(
+            vm=identity,
+            event_id=ev.event_id,
+            approval_id="A-1",
+            decided_by="approver",
+            applied=applied,
+            reason=None if applied else "bad-signature",
+            event=ev,
+            reply_to=ReplyAddress(channel=APPROVALS, key=identity.name),
+        ),
         observed_at=at,
     )

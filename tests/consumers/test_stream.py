@@ -73,8 +73,13 @@ async def test_bad_input_of_each_kind_is_dead_lettered_with_its_reason_and_good_
     del invalid["data"]
     stream = FleetStream(transport, "audit")
     async with stream:
-        for body in (b"\xff not json", b"[1, 2]", json.dumps(next_major).encode(),
-                     json.dumps(foreign).encode(), json.dumps(invalid).encode()):
+        for body in (
+            b"\xff not json",
+            b"[1, 2]",
+            json.dumps(next_major).encode(),
+            json.dumps(foreign).encode(),
+            json.dumps(invalid).encode(),
+        ):
             await transport.publish(raw(body))
         await transport.publish(lifecycle_message(good))
         got = await collect(stream, 1)
@@ -88,8 +93,11 @@ async def test_bad_input_of_each_kind_is_dead_lettered_with_its_reason_and_good_
 
 async def test_an_unknown_type_of_our_own_prefix_is_skipped_not_dead_lettered(transport):
     good = heartbeat(vm("web-1"))
-    newer = dict(json.loads(good.to_bytes()), type="io.github.scheduledeventsrelay.agent.metrics",
-                 id="newer-minor")
+    newer = dict(
+        json.loads(good.to_bytes()),
+        type="io.github.scheduledeventsrelay.agent.metrics",
+        id="newer-minor",
+    )
     stream = FleetStream(transport, "audit")
     async with stream:
         await transport.publish(raw(json.dumps(newer).encode()))
@@ -215,10 +223,14 @@ async def test_leaving_the_iteration_with_an_error_returns_the_message(transport
     message = heartbeat(vm("web-1"))
     await transport.declare_group("g")
     await transport.publish(lifecycle_message(message))
-    with pytest.raises(RuntimeError, match="boom"):
+
+    async def fail_on_first() -> None:
         async with FleetStream(transport, "g") as stream:
             async for _ in stream:
                 raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        await fail_on_first()
     async with FleetStream(transport, "g") as again:
         got = await collect(again, 1)
     assert [m.id for m in got] == [message.id]

@@ -1,0 +1,141 @@
+"""The approver service over the in-memory transport: decisions by policy, signed approvals to
+the first live VM, recorded reasons, a retry elsewhere after a rejection; and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from consumers import Action, ApprovalSender, FleetView, NoApprovalTarget, PolicySet
+from consumers._approver import ApproverService
+from consumers._cli import main
+from schemas import Approval, key_id, load_public_keys, verify
+from schemas.approvals import generate_signing_key
+from schemas.transport import MemoryTransport
+from schemas.wire import lifecycle_message
+
+from ._factory import event, heartbeat, outcome, transition, vm
+
+
+@pytest.fixture
+async def transport():
+    async with MemoryTransport(f"approver-{uuid.uuid4().hex}") as memory:
+        yield memory
+
+
+async def next_approval(transport, name: str, timeout: float = 2.0) -> Approval:
+    async with transport.approvals(name) as sub:
+        async with asyncio.timeout(timeout):
+            async for delivery in sub:
+                await delivery.ack()
+                return Approval.from_bytes(delivery.body)
+    raise AssertionError("unreachable")
+
+
+def now_messages(*messages):
+    return [lifecycle_message(m) for m in messages]
+
+
+async def test_user_reboot_is_approved_on_the_first_live_vm_and_the_reason_recorded(transport):
+    key = generate_signing_key()
+    service = ApproverService(transport, key)
+    now = datetime.now(UTC)
+    ev = event("EVT-U", source="User", resources=("web-1", "web-2"))
+    await transport.declare_group("approver")
+    runner = asyncio.create_task(service.run())
+    # web-1 is silent (no agent heard): the approval goes to web-2, the first live VM.
+    for message in now_messages(heartbeat(vm("web-2"), at=now),
+                                 transition("scheduled", ev, vm("web-2"), at=now)):
+        await transport.publish(message)
+    approval = await next_approval(transport, "web-2")
+    service.stop()
+    await asyncio.wait_for(runner, 2)
+    verify(approval, {key_id(key.public_key()): key.public_key()}, vm_name="web-2")
+    assert approval.event_id == "EVT-U"
+    assert approval.reason == "user-initiated (EventSource User)"
+    [decision] = service.decisions
+    assert decision.action is Action.APPROVE and decision.target == "web-2"
+
+
+async def test_a_platform_reboot_waits_for_not_before_and_is_recorded_once(transport):
+    service = ApproverService(transport, generate_signing_key(), PolicySet.default())
+    now = datetime.now(UTC)
+    ev = event("EVT-P", resources=("web-1",))
+    await transport.declare_group("approver")
+    runner = asyncio.create_task(service.run())
+    for message in now_messages(heartbeat(vm("web-1"), at=now),
+                                transition("scheduled", ev, vm("web-1"), at=now),
+                                heartbeat(vm("web-1"), at=now + timedelta(seconds=1))):
+        await transport.publish(message)
+    async with asyncio.timeout(2):
+        while service.stream.stats.handled < 3:
+            await asyncio.sleep(0.01)
+    service.stop()
+    await asyncio.wait_for(runner, 2)
+    [decision] = service.decisions
+    assert decision.action is Action.WAIT
+    assert "no policy approves it: NotBefore" in decision.reason
+    assert transport.broker.vm("web-1").ready == type(transport.broker.vm("web-1").ready)()
+
+
+async def test_a_rejected_approval_is_sent_to_another_live_vm(transport):
+    service = ApproverService(transport, generate_signing_key())
+    now = datetime.now(UTC)
+    ev = event("EVT-R", source="User", resources=("a", "b"))
+    await transport.declare_group("approver")
+    runner = asyncio.create_task(service.run())
+    for message in now_messages(heartbeat(vm("a"), at=now), heartbeat(vm("b"), at=now),
+                                transition("scheduled", ev, vm("a"), at=now)):
+        await transport.publish(message)
+    first = await next_approval(transport, "a")
+    rejected = outcome(vm("a"), ev, applied=False, at=now).model_copy(deep=True)
+    rejected = rejected.model_copy(
+        update={"data": rejected.data.model_copy(update={"reason": "observe-only"})}
+    )
+    await transport.publish(lifecycle_message(rejected))
+    second = await next_approval(transport, "b")
+    service.stop()
+    await asyncio.wait_for(runner, 2)
+    assert first.vm == "a" and second.vm == "b"
+
+
+async def test_the_sender_needs_a_vm_for_an_event_it_never_heard_of(transport):
+    sender = ApprovalSender(transport, generate_signing_key(), fleet=FleetView())
+    with pytest.raises(NoApprovalTarget, match="name the VM"):
+        await sender.approve("EVT-UNKNOWN")
+    await sender.approve("EVT-UNKNOWN", "web-3")  # named: the transport's reply address
+    approval = await next_approval(transport, "web-3")
+    assert approval.event_id == "EVT-UNKNOWN"
+
+
+def test_keygen_then_manual_approve_from_the_command_line(tmp_path, capsys):
+    assert main(["keygen", "--out", str(tmp_path)]) == 0
+    assert "approver.pub" in capsys.readouterr().out
+    assert main(["keygen", "--out", str(tmp_path)]) == 2  # never overwrites a key
+    assert "refusing to overwrite" in capsys.readouterr().err
+    code = main(["approve", "EVT-42", "--vm", "web-7", "--broker", "memory://cli",
+                 "--signing-key", str(tmp_path / "approver.key"), "--decided-by", "alice"])
+    assert code == 0
+    assert "of event EVT-42 sent to web-7" in capsys.readouterr().out
+
+    async def received() -> Approval:
+        async with MemoryTransport("cli") as memory:
+            return await next_approval(memory, "web-7")
+
+    approval = asyncio.run(received())
+    trusted = load_public_keys([tmp_path / "approver.pub"])
+    verify(approval, trusted, vm_name="web-7")
+    assert approval.decided_by == "alice"
+
+
+def test_the_command_line_explains_itself(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for command in ("approver", "audit", "tail", "approve", "keygen", "demo"):
+        assert command in text
+    assert main(["approver", "--signing-key", "/nonexistent/key"]) == 2
+    assert "cannot read the signing key" in capsys.readouterr().err

@@ -1,0 +1,153 @@
+"""The audit ledger on SQLite and on the real PostgreSQL: append-only, idempotent, and a
+history of a VM or an event that is complete and in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import timedelta
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from consumers import Action, Verdict
+from consumers._audit import open_ledger
+from consumers._cli import main
+
+from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
+
+
+@pytest.fixture
+async def postgres_url(postgres_dsn):
+    """A database of this test's own, dropped afterwards."""
+    import asyncpg
+
+    name = f"audit_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(postgres_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    split = urlsplit(postgres_dsn)
+    yield urlunsplit(split._replace(path=f"/{name}"))
+    admin = await asyncpg.connect(postgres_dsn)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def ledger_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'audit.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+def scenario():
+    ev = event("EVT-7", resources=("web-1", "web-2"), source="User")
+    started = event("EVT-7", resources=("web-1", "web-2"), status="Started")
+    at = [T0 + timedelta(seconds=s) for s in range(10)]
+    return [
+        heartbeat(vm("web-1"), at=at[0]),
+        transition("scheduled", ev, vm("web-1"), at=at[1], sequence=1),
+        transition("scheduled", ev, vm("web-2"), at=at[1], sequence=1),
+        hook(vm("web-1"), ev, at=at[2]),
+        outcome(vm("web-1"), ev, at=at[4]),
+        transition("started", started, vm("web-2"), at=at[5], sequence=2),
+        transition("started", started, vm("web-1"), at=at[5], sequence=2),
+        transition("completed", started, vm("web-1"), at=at[8], sequence=3),
+    ]
+
+
+async def test_history_of_an_event_and_of_a_vm_is_complete_and_in_order(ledger_url):
+    messages = scenario()
+    async with open_ledger(ledger_url) as ledger:
+        for message in reversed(messages):  # arrival order does not matter
+            assert await ledger.append(message)
+        assert not await ledger.append(messages[1])  # a redelivery: recorded once
+        await ledger.append_decision(
+            "EVT-7",
+            Verdict(Action.APPROVE, "user-initiated (EventSource User)", "user_initiated"),
+            decided_by="approver",
+            target="web-1",
+            event_type="Reboot",
+            at=T0 + timedelta(seconds=3),
+        )
+        assert await ledger.count() == len(messages)
+        by_event = await ledger.history(event_id="EVT-7")
+        by_vm = await ledger.history(vm="WEB-1")
+    kinds = [e.kind for e in by_event]
+    assert len(by_event) == 8  # 7 messages about the event and the decision
+    assert kinds[:2] == ["scheduled", "scheduled"]
+    assert kinds[2:5] == ["hook.completed", "decision.approve", "approval.applied"]
+    assert sorted(kinds[5:7]) == ["started", "started"] and kinds[7] == "completed"
+    assert [e.kind for e in by_vm] == [
+        "agent.heartbeat",
+        "scheduled",
+        "hook.completed",
+        "decision.approve",
+        "approval.applied",
+        "started",
+        "completed",
+    ]
+    assert by_event[3].body["reason"].startswith("user-initiated")
+
+
+async def test_the_ledger_refuses_updates_and_deletes(tmp_path):
+    import aiosqlite
+
+    path = tmp_path / "audit.db"
+    async with open_ledger(str(path)) as ledger:
+        await ledger.append(scenario()[0])
+    async with aiosqlite.connect(path) as db:
+        with pytest.raises(aiosqlite.IntegrityError, match="append-only"):
+            await db.execute("DELETE FROM ledger_messages")
+        with pytest.raises(aiosqlite.IntegrityError, match="append-only"):
+            await db.execute("UPDATE ledger_messages SET vm = 'x'")
+
+
+@pytest.mark.postgres
+async def test_postgres_refuses_updates_too(postgres_url):
+    import asyncpg
+
+    async with open_ledger(postgres_url) as ledger:
+        await ledger.append(scenario()[0])
+    conn = await asyncpg.connect(postgres_url)
+    try:
+        with pytest.raises(asyncpg.RaiseError, match="append-only"):
+            await conn.execute("DELETE FROM ledger_messages")
+    finally:
+        await conn.close()
+
+
+def test_history_command_prints_for_people_and_for_machines(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+
+    async def fill() -> None:
+        async with open_ledger(url) as ledger:
+            for message in scenario():
+                await ledger.append(message)
+
+    asyncio.run(fill())
+    assert main(["audit", "history", "--db", url, "--event", "EVT-7"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == "timeline of event EVT-7 (7 entries, UTC):"
+    assert "2025-01-06 12:00:01  web-1" in lines[1] and "scheduled" in lines[1]
+    assert "NotBefore" in lines[1] and "by User" in lines[1]
+    assert "hook drain.sh on scheduled: exit 0" in text
+    assert "approval by approver applied" in text
+    assert "Started -> gone" in lines[-1]
+    assert main(["audit", "--db", url, "history", "--vm", "web-2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["kind"] for d in data] == ["scheduled", "started"]
+    assert data[0]["body"]["data"]["vm"]["name"] == "web-2"
+    assert main(["audit", "history", "--db", url, "--vm", "nobody"]) == 0
+    assert "nothing recorded for VM nobody" in capsys.readouterr().out
+
+
+def test_a_bad_database_url_is_a_config_error(capsys):
+    assert main(["audit", "history", "--db", "mysql://x/y", "--vm", "a"]) == 2
+    assert "is not understood" in capsys.readouterr().err

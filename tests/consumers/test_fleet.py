@@ -1,0 +1,74 @@
+"""The fleet view: one event as every VM of its Resources reported it, and agent liveness."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from consumers import EventPhase, FleetView
+from schemas import MessageType
+
+from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
+
+
+def test_one_event_merged_across_the_vms_of_its_resources():
+    view = FleetView(clock=lambda: T0 + timedelta(minutes=5))
+    resources = ("web-1", "web-2", "web-3")
+    scheduled = event("EVT-9", resources=resources, not_before=T0 + timedelta(minutes=15))
+    view.apply(transition("scheduled", scheduled, vm("web-1"), at=T0))
+    view.apply(transition("scheduled", scheduled, vm("web-2"), at=T0 + timedelta(seconds=2)))
+    state = view.event("EVT-9")
+    assert state is not None
+    assert state.phase is EventPhase.SCHEDULED
+    assert state.reported() == ("web-1", "web-2")
+    assert state.silent() == ("web-3",)
+    assert state.time_to_not_before(T0 + timedelta(minutes=5)) == timedelta(minutes=10)
+    assert state.reports["web-2"].at == T0 + timedelta(seconds=2)
+
+    started = event("EVT-9", resources=resources, status="Started")
+    view.apply(transition("started", started, vm("web-2"), at=T0 + timedelta(minutes=16)))
+    assert state.phase is EventPhase.STARTED and state.started and not state.completed
+    assert state.time_to_not_before() is None
+    assert state.reports["web-2"].kind is MessageType.STARTED
+    assert state.reports["web-1"].kind is MessageType.SCHEDULED  # web-1 has not seen it yet
+
+    view.apply(transition("completed", started, vm("web-1"), at=T0 + timedelta(minutes=20)))
+    assert state.completed
+    # A late, older report never moves the event backwards.
+    view.apply(transition("scheduled", scheduled, vm("web-3"), at=T0 + timedelta(seconds=5)))
+    assert state.phase is EventPhase.COMPLETED
+    assert state.silent() == ()
+
+
+def test_a_canceled_event_and_hooks_and_approval_outcomes():
+    view = FleetView()
+    ev = event("EVT-2", resources=("a", "b"))
+    view.apply(transition("scheduled", ev, vm("a")))
+    view.apply(hook(vm("a"), ev))
+    view.apply(hook(vm("b"), ev, exit_code=3))
+    state = view.event("EVT-2")
+    assert state.hooks_done("a") and not state.hooks_done("b")
+    assert not state.approved
+    view.apply(outcome(vm("a"), ev, applied=True))
+    assert state.approved
+    view.apply(transition("canceled", ev, vm("a"), at=T0 + timedelta(minutes=1)))
+    assert state.canceled and state.phase.is_over
+    assert list(view.events(open_only=True)) == []
+    assert view.prune(T0 + timedelta(hours=2)) == 1
+    assert view.event("EVT-2") is None
+
+
+def test_liveness_follows_heartbeats_and_offline():
+    now = [T0]
+    view = FleetView(liveness_timeout=timedelta(seconds=90), clock=lambda: now[0])
+    view.apply(heartbeat(vm("web-1"), at=T0))
+    view.apply(heartbeat(vm("web-2"), at=T0))
+    view.apply(transition("scheduled", event("E", resources=("web-1", "web-2")), vm("web-2")))
+    assert view.live_vms("E") == ("web-1", "web-2")
+    now[0] = T0 + timedelta(seconds=100)
+    view.apply(heartbeat(vm("web-2"), at=now[0]))
+    assert view.live_vms("E") == ("web-2",)  # web-1 went silent
+    view.apply(heartbeat(vm("WEB-2"), at=now[0], kind=MessageType.AGENT_OFFLINE))
+    assert view.live_vms("E") == ()
+    agent = view.agent("web-2")
+    assert agent.offline_reason == "SIGTERM" and agent.last_heartbeat == now[0]
+    assert view.reply_address("web-2").key == "WEB-2"

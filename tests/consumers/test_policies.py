@@ -1,0 +1,155 @@
+"""Each policy on its own, composed, and from TOML (with errors that name the bad key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from consumers import (
+    Action,
+    ApproveShortFreeze,
+    ApproveUserInitiated,
+    ApproveWhenHooksDone,
+    FleetView,
+    MaxUnavailable,
+    NeverApprove,
+    PolicySet,
+    load_policy_file,
+    parse_policy,
+)
+from schemas import ConfigError
+
+from ._factory import T0, event, heartbeat, hook, transition, vm
+
+DEFAULT_FILE = Path(__file__).parents[2] / "consumers" / "policy.example.toml"
+
+
+def decide(policies: PolicySet, view: FleetView, event_id: str):
+    return policies.decide(view.event(event_id), view, T0)
+
+
+def fleet_with(*events, identities=None):
+    view = FleetView(clock=lambda: T0)
+    identities = identities or {}
+    for ev in events:
+        for name in ev.resources:
+            identity = identities.get(name, vm(name))
+            view.apply(heartbeat(identity))
+            view.apply(transition("scheduled", ev, identity))
+    return view
+
+
+def test_the_default_policy_is_the_documents_sample():
+    view = fleet_with(
+        event("USER", source="User"),
+        event("FREEZE5", event_type="Freeze", duration=5),
+        event("FREEZE9", event_type="Freeze", duration=9),
+        event("FREEZE?", event_type="Freeze", duration=-1),
+        event("PLATFORM-REBOOT"),
+    )
+    policies = PolicySet.default()
+    verdicts = {e.event_id: decide(policies, view, e.event_id) for e in view.events()}
+    assert verdicts["USER"].action is Action.APPROVE
+    assert verdicts["FREEZE5"].action is Action.APPROVE
+    assert "5s < 9s" in verdicts["FREEZE5"].reason
+    for waiting in ("FREEZE9", "FREEZE?", "PLATFORM-REBOOT"):
+        assert verdicts[waiting].action is Action.WAIT
+        assert "NotBefore" in verdicts[waiting].reason
+
+
+def test_the_shipped_example_file_is_the_default_policy():
+    assert load_policy_file(DEFAULT_FILE) == PolicySet.default()
+
+
+def test_hooks_done_waits_for_every_vm_of_resources():
+    ev = event("E", resources=("a", "b"))
+    view = fleet_with(ev)
+    policies = PolicySet((ApproveWhenHooksDone(),))
+    first = decide(policies, view, "E")
+    assert first.action is Action.WAIT and "waiting for hooks on a, b" in first.reason
+    view.apply(hook(vm("a"), ev))
+    assert "on b" in decide(policies, view, "E").reason
+    view.apply(hook(vm("b"), ev))
+    assert decide(policies, view, "E").action is Action.APPROVE
+
+
+def test_never_wins_over_every_approver():
+    view = fleet_with(event("T", event_type="Terminate", source="User"))
+    policies = PolicySet((ApproveUserInitiated(), NeverApprove(frozenset({"terminate"}))))
+    verdict = decide(policies, view, "T")
+    assert verdict.action is Action.NEVER and verdict.policy == "never"
+
+
+def test_max_unavailable_per_scale_set_by_count_and_percent():
+    ids = {f"ss_{i}": vm(f"ss_{i}", scale_set="ss") for i in range(4)}
+    busy = event("BUSY", source="User", resources=("ss_0",), status="Started")
+    next_one = event("NEXT", source="User", resources=("ss_1",))
+    view = fleet_with(next_one, identities=ids)
+    for name in ("ss_2", "ss_3"):
+        view.apply(heartbeat(ids[name]))
+    view.apply(transition("started", busy, ids["ss_0"]))
+    held = decide(PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1))),
+                  view, "NEXT")
+    assert held.action is Action.WAIT
+    assert "2 VMs of scale_set=ss would be unavailable (at most 1)" in held.reason
+    fifty = PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", percent=50)))
+    assert decide(fifty, view, "NEXT").action is Action.APPROVE  # 2 of 4
+    view.apply(transition("completed", busy, ids["ss_0"]))
+    two = PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1)))
+    assert decide(two, view, "NEXT").action is Action.APPROVE
+
+
+def test_policy_file_round_trip(tmp_path):
+    path = tmp_path / "policy.toml"
+    path.write_text(
+        """
+[approve.user_initiated]
+[approve.freeze]
+max_duration_seconds = 30
+[approve.hooks_done]
+event_types = ["Reboot"]
+[never]
+event_types = ["Terminate", "Preempt"]
+[[max_unavailable]]
+group_by = "zone"
+count = 2
+[[max_unavailable]]
+group_by = "fault_domain"
+percent = 25.5
+"""
+    )
+    policies = load_policy_file(path)
+    assert policies.policies == (
+        NeverApprove(frozenset({"terminate", "preempt"})),
+        ApproveUserInitiated(),
+        ApproveShortFreeze(30),
+        ApproveWhenHooksDone(frozenset({"reboot"})),
+        MaxUnavailable("zone", count=2),
+        MaxUnavailable("fault_domain", percent=25.5),
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[approve.freeze]\nmax_duraton_seconds = 3", "approve.freeze.max_duraton_seconds: unknown key"),
+        ("[approve.freeze]\nmax_duration_seconds = -1", "max_duration_seconds must be a whole number"),
+        ("[approve.frezee]", "approve.frezee: unknown policy"),
+        ("[nevr]\nevent_types=[]", "nevr: unknown table"),
+        ("[never]", "never.event_types is required"),
+        ("[[max_unavailable]]\ngroup_by='rack'\ncount=1", "group_by must be one of"),
+        ("[[max_unavailable]]\ngroup_by='zone'", "exactly one of count or percent"),
+        ("[approve.freeze", "not valid TOML"),
+    ],
+)
+def test_policy_file_errors_name_the_bad_key(tmp_path, text, message):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_policy_file(path)
+
+
+def test_parse_policy_with_nothing_approves_nothing():
+    view = fleet_with(event("USER", source="User"))
+    assert decide(parse_policy({}), view, "USER").action is Action.WAIT
