@@ -26,9 +26,9 @@ async def transport():
         yield memory
 
 
-async def next_approval(transport, name: str, timeout: float = 2.0) -> Approval:
+async def next_approval(transport, name: str) -> Approval:
     async with transport.approvals(name) as sub:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(2):
             async for delivery in sub:
                 await delivery.ack()
                 return Approval.from_bytes(delivery.body)
@@ -47,8 +47,9 @@ async def test_user_reboot_is_approved_on_the_first_live_vm_and_the_reason_recor
     await transport.declare_group("approver")
     runner = asyncio.create_task(service.run())
     # web-1 is silent (no agent heard): the approval goes to web-2, the first live VM.
-    for message in now_messages(heartbeat(vm("web-2"), at=now),
-                                 transition("scheduled", ev, vm("web-2"), at=now)):
+    for message in now_messages(
+        heartbeat(vm("web-2"), at=now), transition("scheduled", ev, vm("web-2"), at=now)
+    ):
         await transport.publish(message)
     approval = await next_approval(transport, "web-2")
     service.stop()
@@ -57,7 +58,8 @@ async def test_user_reboot_is_approved_on_the_first_live_vm_and_the_reason_recor
     assert approval.event_id == "EVT-U"
     assert approval.reason == "user-initiated (EventSource User)"
     [decision] = service.decisions
-    assert decision.action is Action.APPROVE and decision.target == "web-2"
+    assert decision.action is Action.APPROVE
+    assert decision.target == "web-2"
 
 
 async def test_a_platform_reboot_waits_for_not_before_and_is_recorded_once(transport):
@@ -66,12 +68,14 @@ async def test_a_platform_reboot_waits_for_not_before_and_is_recorded_once(trans
     ev = event("EVT-P", resources=("web-1",))
     await transport.declare_group("approver")
     runner = asyncio.create_task(service.run())
-    for message in now_messages(heartbeat(vm("web-1"), at=now),
-                                transition("scheduled", ev, vm("web-1"), at=now),
-                                heartbeat(vm("web-1"), at=now + timedelta(seconds=1))):
+    for message in now_messages(
+        heartbeat(vm("web-1"), at=now),
+        transition("scheduled", ev, vm("web-1"), at=now),
+        heartbeat(vm("web-1"), at=now + timedelta(seconds=1)),
+    ):
         await transport.publish(message)
     async with asyncio.timeout(2):
-        while service.stream.stats.handled < 3:
+        while service.stream.stats.handled < 3:  # noqa: ASYNC110 - polls the service's counter
             await asyncio.sleep(0.01)
     service.stop()
     await asyncio.wait_for(runner, 2)
@@ -87,8 +91,11 @@ async def test_a_rejected_approval_is_sent_to_another_live_vm(transport):
     ev = event("EVT-R", source="User", resources=("a", "b"))
     await transport.declare_group("approver")
     runner = asyncio.create_task(service.run())
-    for message in now_messages(heartbeat(vm("a"), at=now), heartbeat(vm("b"), at=now),
-                                transition("scheduled", ev, vm("a"), at=now)):
+    for message in now_messages(
+        heartbeat(vm("a"), at=now),
+        heartbeat(vm("b"), at=now),
+        transition("scheduled", ev, vm("a"), at=now),
+    ):
         await transport.publish(message)
     first = await next_approval(transport, "a")
     rejected = outcome(vm("a"), ev, applied=False, at=now).model_copy(deep=True)
@@ -99,7 +106,8 @@ async def test_a_rejected_approval_is_sent_to_another_live_vm(transport):
     second = await next_approval(transport, "b")
     service.stop()
     await asyncio.wait_for(runner, 2)
-    assert first.vm == "a" and second.vm == "b"
+    assert first.vm == "a"
+    assert second.vm == "b"
 
 
 async def test_the_sender_needs_a_vm_for_an_event_it_never_heard_of(transport):
@@ -116,8 +124,20 @@ def test_keygen_then_manual_approve_from_the_command_line(tmp_path, capsys):
     assert "approver.pub" in capsys.readouterr().out
     assert main(["keygen", "--out", str(tmp_path)]) == 2  # never overwrites a key
     assert "refusing to overwrite" in capsys.readouterr().err
-    code = main(["approve", "EVT-42", "--vm", "web-7", "--broker", "memory://cli",
-                 "--signing-key", str(tmp_path / "approver.key"), "--decided-by", "alice"])
+    code = main(
+        [
+            "approve",
+            "EVT-42",
+            "--vm",
+            "web-7",
+            "--broker",
+            "memory://cli",
+            "--signing-key",
+            str(tmp_path / "approver.key"),
+            "--decided-by",
+            "alice",
+        ]
+    )
     assert code == 0
     assert "of event EVT-42 sent to web-7" in capsys.readouterr().out
 

@@ -82,7 +82,8 @@ async def test_history_of_an_event_and_of_a_vm_is_complete_and_in_order(ledger_u
     assert len(by_event) == 8  # 7 messages about the event and the decision
     assert kinds[:2] == ["scheduled", "scheduled"]
     assert kinds[2:5] == ["hook.completed", "decision.approve", "approval.applied"]
-    assert sorted(kinds[5:7]) == ["started", "started"] and kinds[7] == "completed"
+    assert sorted(kinds[5:7]) == ["started", "started"]
+    assert kinds[7] == "completed"
     assert [e.kind for e in by_vm] == [
         "agent.heartbeat",
         "scheduled",
@@ -135,8 +136,10 @@ def test_history_command_prints_for_people_and_for_machines(tmp_path, capsys):
     text = capsys.readouterr().out
     lines = text.splitlines()
     assert lines[0] == "timeline of event EVT-7 (7 entries, UTC):"
-    assert "2025-01-06 12:00:01  web-1" in lines[1] and "scheduled" in lines[1]
-    assert "NotBefore" in lines[1] and "by User" in lines[1]
+    assert "2025-01-06 12:00:01  web-1" in lines[1]
+    assert "scheduled" in lines[1]
+    assert "NotBefore" in lines[1]
+    assert "by User" in lines[1]
     assert "hook drain.sh on scheduled: exit 0" in text
     assert "approval by approver applied" in text
     assert "Started -> gone" in lines[-1]

@@ -26,7 +26,9 @@ def test_one_event_merged_across_the_vms_of_its_resources():
 
     started = event("EVT-9", resources=resources, status="Started")
     view.apply(transition("started", started, vm("web-2"), at=T0 + timedelta(minutes=16)))
-    assert state.phase is EventPhase.STARTED and state.started and not state.completed
+    assert state.phase.value == "started"
+    assert state.started
+    assert not state.completed
     assert state.time_to_not_before() is None
     assert state.reports["web-2"].kind is MessageType.STARTED
     assert state.reports["web-1"].kind is MessageType.SCHEDULED  # web-1 has not seen it yet
@@ -46,12 +48,15 @@ def test_a_canceled_event_and_hooks_and_approval_outcomes():
     view.apply(hook(vm("a"), ev))
     view.apply(hook(vm("b"), ev, exit_code=3))
     state = view.event("EVT-2")
-    assert state.hooks_done("a") and not state.hooks_done("b")
+    assert state is not None
+    assert state.hooks_done("a")
+    assert not state.hooks_done("b")
     assert not state.approved
     view.apply(outcome(vm("a"), ev, applied=True))
     assert state.approved
     view.apply(transition("canceled", ev, vm("a"), at=T0 + timedelta(minutes=1)))
-    assert state.canceled and state.phase.is_over
+    assert state.canceled
+    assert state.phase.is_over
     assert list(view.events(open_only=True)) == []
     assert view.prune(T0 + timedelta(hours=2)) == 1
     assert view.event("EVT-2") is None
@@ -70,5 +75,9 @@ def test_liveness_follows_heartbeats_and_offline():
     view.apply(heartbeat(vm("WEB-2"), at=now[0], kind=MessageType.AGENT_OFFLINE))
     assert view.live_vms("E") == ()
     agent = view.agent("web-2")
-    assert agent.offline_reason == "SIGTERM" and agent.last_heartbeat == now[0]
-    assert view.reply_address("web-2").key == "WEB-2"
+    assert agent is not None
+    assert agent.offline_reason == "SIGTERM"
+    assert agent.last_heartbeat == now[0]
+    address = view.reply_address("web-2")
+    assert address is not None
+    assert address.key == "WEB-2"

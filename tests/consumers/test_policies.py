@@ -26,7 +26,9 @@ DEFAULT_FILE = Path(__file__).parents[2] / "consumers" / "policy.example.toml"
 
 
 def decide(policies: PolicySet, view: FleetView, event_id: str):
-    return policies.decide(view.event(event_id), view, T0)
+    state = view.event(event_id)
+    assert state is not None
+    return policies.decide(state, view, T0)
 
 
 def fleet_with(*events, identities=None):
@@ -67,7 +69,8 @@ def test_hooks_done_waits_for_every_vm_of_resources():
     view = fleet_with(ev)
     policies = PolicySet((ApproveWhenHooksDone(),))
     first = decide(policies, view, "E")
-    assert first.action is Action.WAIT and "waiting for hooks on a, b" in first.reason
+    assert first.action is Action.WAIT
+    assert "waiting for hooks on a, b" in first.reason
     view.apply(hook(vm("a"), ev))
     assert "on b" in decide(policies, view, "E").reason
     view.apply(hook(vm("b"), ev))
@@ -78,7 +81,8 @@ def test_never_wins_over_every_approver():
     view = fleet_with(event("T", event_type="Terminate", source="User"))
     policies = PolicySet((ApproveUserInitiated(), NeverApprove(frozenset({"terminate"}))))
     verdict = decide(policies, view, "T")
-    assert verdict.action is Action.NEVER and verdict.policy == "never"
+    assert verdict.action is Action.NEVER
+    assert verdict.policy == "never"
 
 
 def test_max_unavailable_per_scale_set_by_count_and_percent():
@@ -89,8 +93,9 @@ def test_max_unavailable_per_scale_set_by_count_and_percent():
     for name in ("ss_2", "ss_3"):
         view.apply(heartbeat(ids[name]))
     view.apply(transition("started", busy, ids["ss_0"]))
-    held = decide(PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1))),
-                  view, "NEXT")
+    held = decide(
+        PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1))), view, "NEXT"
+    )
     assert held.action is Action.WAIT
     assert "2 VMs of scale_set=ss would be unavailable (at most 1)" in held.reason
     fifty = PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", percent=50)))
@@ -133,8 +138,8 @@ percent = 25.5
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[approve.freeze]\nmax_duraton_seconds = 3", "approve.freeze.max_duraton_seconds: unknown key"),
-        ("[approve.freeze]\nmax_duration_seconds = -1", "max_duration_seconds must be a whole number"),
+        ("[approve.freeze]\nmax_duraton_seconds = 3", "freeze.max_duraton_seconds: unknown key"),
+        ("[approve.freeze]\nmax_duration_seconds = -1", "max_duration_seconds must be a whole"),
         ("[approve.frezee]", "approve.frezee: unknown policy"),
         ("[nevr]\nevent_types=[]", "nevr: unknown table"),
         ("[never]", "never.event_types is required"),

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from typing import Any
 
 import pytest
 
 from consumers import DeadLetterReason, DedupeWindow, FleetStream, MessageFilter
-from schemas import MessageType, TransitionMessage
+from schemas import LifecycleMessage, MessageType, TransitionMessage
 from schemas.transport import MemoryTransport, OutgoingMessage
 from schemas.wire import lifecycle_message
 
@@ -27,7 +28,7 @@ def raw(body: bytes, message_id: str = "raw") -> OutgoingMessage:
     return OutgoingMessage(body=body, message_id=message_id, content_type="application/json")
 
 
-async def dead_letters(transport, group: str, count: int) -> list:
+async def dead_letters(transport, group: str, count: int) -> list[Any]:
     out = []
     async with transport.dead_letters(group) as sub:
         async with asyncio.timeout(2):
@@ -39,7 +40,7 @@ async def dead_letters(transport, group: str, count: int) -> list:
     return out
 
 
-async def collect(stream: FleetStream, count: int) -> list:
+async def collect(stream: FleetStream, count: int) -> list[Any]:
     got = []
     async with asyncio.timeout(3):
         async for message in stream:
@@ -150,7 +151,7 @@ async def test_handlers_get_only_what_their_filters_ask_for(transport):
             stream.stop()
 
     await transport.declare_group("ops")
-    msgs = [
+    msgs: list[LifecycleMessage] = [
         transition("started", event("E1", status="Started"), vm("web-1")),
         transition("started", event("E2", event_type="Freeze", status="Started"), vm("web-1")),
         transition("scheduled", event("E3"), vm("web-2", scale_set="pool")),
