@@ -309,8 +309,9 @@ class RabbitMQTransport:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise TransportError(
-                    f"{what}: not confirmed, the link to {self.display_url} kept failing "
-                    f"({reason(failure)})"
+                    f"{what}: RabbitMQ at {self.display_url} has been unreachable for "
+                    f"{self.settings.reconnect_timeout:g} s ({reason(failure)}); the caller "
+                    "should keep it and retry"
                 ) from failure
             log.warning(
                 "%s interrupted (%s): the link is down; publishing again once it is back "

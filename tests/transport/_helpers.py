@@ -28,13 +28,13 @@ def outgoing(
     )
 
 
-async def receive(subscription: Any, timeout: float = 5.0) -> Delivery:
-    """The next delivery, or a test failure after ``timeout`` seconds."""
+async def receive(subscription: Any, within: float = 5.0) -> Delivery:
+    """The next delivery, or a test failure after ``within`` seconds."""
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(within):
             delivery: Delivery = await anext(subscription)
     except TimeoutError:
-        raise AssertionError(f"no message within {timeout} s") from None
+        raise AssertionError(f"no message within {within} s") from None
     return delivery
 
 

@@ -161,13 +161,18 @@ async def test_a_dead_letter_keeps_its_message_and_says_why(backend: Backend) ->
 
 async def test_approvals_reach_only_their_vm(backend: Backend) -> None:
     vm_a, vm_b = backend.vm("vm-a"), backend.vm("vm-b")
-    async with asyncio.timeout(BOUND), backend.transport() as agent, backend.transport() as sender:
-        async with agent.approvals(vm_a) as inbox_a, agent.approvals(vm_b) as inbox_b:
-            approval = outgoing("approve", routing_key=vm_a, ttl_seconds=60)
-            await sender.send_approval(agent.reply_address(vm_a), approval)
-            got = await receive(inbox_a)
-            await got.ack()
-            await assert_nothing(inbox_b, 0.3)
+    async with (
+        asyncio.timeout(BOUND),
+        backend.transport() as agent,
+        backend.transport() as sender,
+        agent.approvals(vm_a) as inbox_a,
+        agent.approvals(vm_b) as inbox_b,
+    ):
+        approval = outgoing("approve", routing_key=vm_a, ttl_seconds=60)
+        await sender.send_approval(agent.reply_address(vm_a), approval)
+        got = await receive(inbox_a)
+        await got.ack()
+        await assert_nothing(inbox_b, 0.3)
     assert got.message_id == approval.message_id
     assert got.body == approval.body
 
@@ -175,12 +180,15 @@ async def test_approvals_reach_only_their_vm(backend: Backend) -> None:
 async def test_vm_names_are_not_case_sensitive(backend: Backend) -> None:
     # Azure VM names are case-insensitive; IMDS and ARM may spell one differently.
     vm = backend.vm("web-7")
-    async with asyncio.timeout(BOUND), backend.transport() as transport:
-        async with transport.approvals(vm) as inbox:
-            approval = outgoing("approve", routing_key="WEB-7")
-            await transport.send_approval(transport.reply_address("WEB-7"), approval)
-            got = await receive(inbox)
-            await got.ack()
+    async with (
+        asyncio.timeout(BOUND),
+        backend.transport() as transport,
+        transport.approvals(vm) as inbox,
+    ):
+        approval = outgoing("approve", routing_key="WEB-7")
+        await transport.send_approval(transport.reply_address("WEB-7"), approval)
+        got = await receive(inbox)
+        await got.ack()
     assert got.message_id == approval.message_id
 
 
