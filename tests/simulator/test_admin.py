@@ -97,7 +97,8 @@ async def test_a_body_that_is_not_json_is_400(harness: Harness) -> None:
 async def test_an_event_id_cannot_be_reused(harness: Harness) -> None:
     await _create(harness, EventType="Freeze", EventId="C7061BAC-AFDC-4513-B24B-AA5F13A16123")
     response = await harness.client.post(
-        "/admin/events", json={"EventType": "Freeze", "EventId": "C7061BAC-AFDC-4513-B24B-AA5F13A16123"}
+        "/admin/events",
+        json={"EventType": "Freeze", "EventId": "C7061BAC-AFDC-4513-B24B-AA5F13A16123"},
     )
     assert response.status_code == 400
     assert "taken" in response.json()["error"]

@@ -50,7 +50,7 @@ def make_sample(metadata_url: str) -> Any:
         for event in payload["Events"]:
             if event["EventStatus"] == "Started":
                 log(event)
-            elif event["EventSource"] == "User":
+            elif event["EventSource"] == "User":  # noqa: SIM114 (kept as the documents write it)
                 assert confirm_scheduled_event(event["EventId"]) == 200
             elif (
                 event["EventType"] == "Freeze"
@@ -98,7 +98,9 @@ async def test_the_documents_python_sample_approves_what_it_should(
         assert logged == ["long", "move"]
         assert [a.vm for a in sim.get_event(freeze.event_id).approvals] == ["WestNO_0"]
         # The approval by WestNO_0 let the Freeze proceed for WestNO_1 too.
-        statuses = {e["EventId"]: e["EventStatus"] for e in (await h.document("WestNO_1"))["Events"]}
+        statuses = {
+            e["EventId"]: e["EventStatus"] for e in (await h.document("WestNO_1"))["Events"]
+        }
         assert statuses[freeze.event_id] == "Started"
 
 
