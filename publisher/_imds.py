@@ -133,8 +133,13 @@ class ImdsClient:
             self._answered = True
             return self._last[1]  # the same bytes: no need to parse them again
         try:
-            document = ScheduledEventsDocument.from_json(raw)
-        except SchemaError as exc:
+            data = json.loads(raw)
+            # A document without its Events list is garbage, not "no events": only IMDS saying
+            # "Events": [] may empty the list.
+            if not isinstance(data, dict) or not isinstance(data.get("Events"), list):
+                raise SchemaError("the answer has no Events list")
+            document = ScheduledEventsDocument.from_imds(data)
+        except (ValueError, SchemaError) as exc:
             raise ImdsError(f"IMDS answered garbage: {exc}", status=200, kind="garbage") from exc
         self._answered = True
         self._last = (raw, document)

@@ -1,0 +1,131 @@
+"""Helpers for the agent's tests: a simulator on a real socket, an agent in-process, and a
+consumer group that records everything the agent publishes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from publisher import Agent, AgentSettings
+from publisher.simulator import Simulator, SimulatorConfig, SimulatorServer, serve
+from schemas import LifecycleMessage, MessageType, decode
+from schemas.channels import ChannelNames
+from schemas.transport import Transport, open_transport
+
+GROUP = "audit"
+
+
+@dataclass
+class Recorder:
+    """Reads the consumer group's copy of the stream into ``messages`` (acking each)."""
+
+    transport: Transport
+    messages: list[LifecycleMessage] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+    received_at: list[float] = field(default_factory=list)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self) -> None:
+        async with self.transport.subscribe(GROUP) as subscription:
+            async for delivery in subscription:
+                self.messages.append(decode(delivery.body))
+                self.bodies.append(delivery.body)
+                self.received_at.append(asyncio.get_running_loop().time())
+                await delivery.ack()
+                self._changed.set()
+
+    def of(self, *kinds: MessageType) -> list[LifecycleMessage]:
+        return [m for m in self.messages if m.kind in kinds]
+
+    def transitions(self) -> list[LifecycleMessage]:
+        return [m for m in self.messages if m.kind.is_transition]
+
+    async def wait_for(
+        self, predicate: Callable[[list[LifecycleMessage]], bool], within: float = 10.0
+    ) -> list[LifecycleMessage]:
+        async with asyncio.timeout(within):
+            while not predicate(self.messages):
+                self._changed.clear()
+                await self._changed.wait()
+        return self.messages
+
+    async def wait_kind(self, kind: MessageType, count: int = 1, within: float = 10.0) -> None:
+        await self.wait_for(lambda ms: sum(m.kind == kind for m in ms) >= count, within)
+
+
+@contextlib.asynccontextmanager
+async def simulator_server(
+    *vms: str, speed: float = 1.0, rate_limit: int = 5
+) -> AsyncIterator[SimulatorServer]:
+    sim = Simulator(SimulatorConfig(speed=speed, rate_limit=rate_limit, seed=None), vms=vms)
+    async with serve(sim) as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def recorder(broker: str, channels: ChannelNames) -> AsyncIterator[Recorder]:
+    transport = open_transport(broker, channels)
+    async with transport:
+        await transport.declare_group(GROUP)
+        rec = Recorder(transport)
+        task = asyncio.create_task(rec.run())
+        try:
+            yield rec
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def settings_for(
+    server: SimulatorServer,
+    vm: str,
+    broker: str,
+    channels: ChannelNames,
+    state_dir: Path | None,
+    **overrides: Any,
+) -> AgentSettings:
+    values: dict[str, Any] = {
+        "imds_url": server.vm_url(vm),
+        "broker": broker,
+        "state_dir": state_dir,
+        "channels": channels,
+        "imds_first_timeout": 10.0,
+        "drain_timeout": 5.0,
+    }
+    values.update(overrides)
+    return AgentSettings(**values)
+
+
+@contextlib.asynccontextmanager
+async def running(settings: AgentSettings, *, ready_timeout: float = 15.0) -> AsyncIterator[Agent]:
+    """An agent running in a task, stopped (and awaited) when the block exits."""
+    agent = Agent(settings)
+    task = asyncio.create_task(agent.run())
+    try:
+        ready = asyncio.ensure_future(agent.started())
+        done, _ = await asyncio.wait(
+            {ready, task}, timeout=ready_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if task in done:
+            task.result()
+            raise AssertionError("the agent stopped before it was ready")
+        if ready not in done:
+            ready.cancel()
+            raise AssertionError("the agent was not ready in time")
+        yield agent
+    finally:
+        agent.stop("test over")
+        async with asyncio.timeout(20):
+            await task
+
+
+async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds, checking every 50 ms; TimeoutError after ``within``."""
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 (state of another component, no event to wait on)
+            await asyncio.sleep(0.05)
