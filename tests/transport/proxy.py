@@ -7,6 +7,8 @@
         ...
         await proxy.cut()      # open connections are reset, new ones refused
         await proxy.restore()  # the same port accepts again
+        proxy.pause()          # bytes are held, both ways: a silent, stalled link
+        proxy.resume()
 
 While cut, the listening socket is closed, so a client sees "connection refused", as when a
 broker host is down; the existing connections are aborted (RST), as when a link dies.
@@ -39,6 +41,8 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     @property
     def is_up(self) -> bool:
@@ -85,6 +89,13 @@ class TcpProxy:
             await self._listen()
             log.info("proxy :%d restored", self.port)
 
+    def pause(self) -> None:
+        """Hold every byte in both directions (the connections stay open): a stalled link."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if self._server is None or task is None:
@@ -112,9 +123,9 @@ class TcpProxy:
                     end.transport.abort()
             self._tasks.discard(task)
 
-    @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(_CHUNK):
+            await self._flowing.wait()
             writer.write(data)
             await writer.drain()
         with contextlib.suppress(OSError):

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import aio_pika
 import pytest
 
-from schemas import ConfigError, TransportError
+from schemas import ConfigError, PublishNotConfirmed, TransportError
 from schemas.channels import ChannelNames
 from schemas.transport import DEAD_LETTER_REASON, open_transport
 from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
@@ -310,3 +310,46 @@ async def test_publish_gives_up_when_the_link_stays_down(amqp_url: str, unique: 
                 await transport.publish(outgoing())  # the same transport carries on
             finally:
                 await transport.delete_topology(groups=["g"], exchanges=True)
+
+
+@pytest.mark.rabbitmq
+async def test_a_publish_without_a_confirm_in_time_is_not_confirmed(
+    amqp_url: str, unique: str
+) -> None:
+    split = urlsplit(amqp_url)
+    channels = ChannelNames().suffixed(unique)
+    settings = AmqpSettings(connect_timeout=2, reconnect_timeout=5, confirm_timeout=0.5)
+    async with (
+        asyncio.timeout(BOUND),
+        TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
+    ):
+        transport = RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=settings)
+        async with transport:
+            try:
+                await transport.declare_group("g")
+                proxy.pause()
+                with pytest.raises(PublishNotConfirmed, match="no confirm"):
+                    await transport.publish(outgoing())
+                proxy.resume()
+                await transport.publish(outgoing())
+            finally:
+                proxy.resume()
+                await transport.delete_topology(groups=["g"], exchanges=True)
+
+
+@pytest.mark.rabbitmq
+async def test_a_nack_is_not_confirmed(rabbit: RabbitMQTransport, amqp_url: str) -> None:
+    full = f"{rabbit.channels.group_prefix}full"
+    async with asyncio.timeout(BOUND):
+        connection = await aio_pika.connect(amqp_url)
+        async with connection, connection.channel() as channel:
+            # A queue that takes nothing and says so: the broker nacks what is routed to it.
+            queue = await channel.declare_queue(
+                full, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+            )
+            await queue.bind(rabbit.channels.events_exchange, "#")
+            try:
+                with pytest.raises(PublishNotConfirmed, match="nack"):
+                    await rabbit.publish(outgoing())
+            finally:
+                await queue.delete(if_unused=False, if_empty=False)
