@@ -181,6 +181,9 @@ async def _keygen(args: argparse.Namespace) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
+    if args.log_level != "DEBUG":  # the timeline is the output; only problems are logged
+        logging.getLogger().setLevel(logging.WARNING)
+
     result: int = await run_demo(args.broker or "memory://demo", speed=args.speed, quiet=args.quiet)
     return result
 

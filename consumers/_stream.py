@@ -186,11 +186,15 @@ class FleetStream:
 
     async def open(self) -> None:
         if self._subscription is None:
-            await self.transport.declare_group(self.group)
+            # subscribe() declares the group's queue with the right exclusivity (declaring it
+            # first with declare_group would fix it as shared on RabbitMQ).
             self._subscription = self.transport.subscribe(
                 self.group, prefetch=self.prefetch, exclusive=self.exclusive
             )
             self._iterator = aiter(self._subscription)
+            start = getattr(self._subscription, "start", None)
+            if start is not None:  # networked transports: consume now, fail early
+                await start()
 
     async def close(self, *, handled: bool = True) -> None:
         """Stop. The message the iteration returned last is acked when ``handled``, otherwise
