@@ -84,12 +84,19 @@ class ApprovalHandler:
         except SchemaError as exc:
             await self._malformed(delivery, exc)
             return
+        try:
+            self._verify(approval)
+        except ApprovalRejected as rejected:
+            await self._report(approval, None, rejected, remember=False)
+            await delivery.ack()
+            return
+        # Only a verified approval may count as seen: a forged copy must not shadow the real one.
         if await self._store.approval_outcome(approval.approval_id) is not None:
             log.info("approval %s was handled already: acked again", approval.approval_id)
             await delivery.ack()
             return
         try:
-            event = await self._check(approval)
+            event = await self._check_event(approval)
         except ApprovalRejected as rejected:
             await self._report(approval, None, rejected)
             await delivery.ack()
@@ -136,7 +143,7 @@ class ApprovalHandler:
         await self._report(approval, event, None)
         await delivery.ack()
 
-    async def _check(self, approval: Approval) -> ScheduledEvent:
+    def _verify(self, approval: Approval) -> None:
         settings = self._settings
         vm = self._identity.name
         if settings.observe_only:
@@ -154,6 +161,9 @@ class ApprovalHandler:
                 raise ApprovalRejected(
                     RejectReason.NOT_FOR_THIS_VM, f"the approval is for {approval.vm!r}, not {vm!r}"
                 )
+
+    async def _check_event(self, approval: Approval) -> ScheduledEvent:
+        vm = self._identity.name
         document = await with_retries(
             self._imds.scheduled_events,
             what="GET Scheduled Events for an approval",
@@ -184,6 +194,8 @@ class ApprovalHandler:
         approval: Approval,
         event: ScheduledEvent | None,
         rejected: ApprovalRejected | None,
+        *,
+        remember: bool = True,
     ) -> None:
         if rejected is None:
             self._metrics.approvals_applied.inc()
@@ -219,7 +231,7 @@ class ApprovalHandler:
             reply_to=self._reply_to,
         )
         message = ApprovalOutcomeMessage.build(data, observed_at=datetime.now(UTC))
-        await self._store.commit([message], approval_id=approval.approval_id)
+        await self._store.commit([message], approval_id=approval.approval_id if remember else None)
         self._committed()
 
     async def _malformed(self, delivery: Delivery, exc: SchemaError) -> None:

@@ -1,0 +1,237 @@
+"""Approvals in: signed ones are applied (POST StartRequests), every bad one is rejected with its
+reason and never POSTed, and the outcome is published before the delivery is acked."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from publisher.simulator import EventSpec, EventState, EventType
+from schemas import (
+    Approval,
+    ApprovalOutcomeMessage,
+    MessageType,
+    RejectReason,
+    load_signing_key,
+    new_approval,
+    sign,
+)
+from schemas.approvals import write_key_pair
+from schemas.transport import open_transport
+from schemas.wire import approval_message
+
+from .conftest import Broker
+from .harness import Recorder, recorder, running, settings_for, simulator_server
+
+
+def _posts(server, vm: str) -> list[str]:
+    return [r.path for r in server.simulator.requests(vm=vm) if r.method == "POST"]
+
+
+async def _send(broker: Broker, approval: Approval, to_vm: str = "web-7") -> None:
+    transport = open_transport(broker.url, broker.channels)
+    async with transport:
+        await transport.send_approval(transport.reply_address(to_vm), approval_message(approval))
+
+
+async def _outcome(rec: Recorder, approval_id: str) -> ApprovalOutcomeMessage:
+    def found(messages) -> bool:
+        return any(
+            isinstance(m, ApprovalOutcomeMessage) and m.data.approval_id == approval_id
+            for m in messages
+        )
+
+    messages = await rec.wait_for(found, within=15)
+    (outcome,) = [
+        m
+        for m in messages
+        if isinstance(m, ApprovalOutcomeMessage) and m.data.approval_id == approval_id
+    ]
+    return outcome
+
+
+async def test_a_signed_approval_is_applied_and_reported(broker: Broker, tmp_path: Path) -> None:
+    private, public = write_key_pair(tmp_path / "keys")
+    key = load_signing_key(private)
+    async with (
+        simulator_server("web-7", "web-8") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        sim = server.simulator
+        event = sim.add_event(
+            EventSpec(event_type=EventType.REBOOT, resources=["web-7"], not_before_seconds=900)
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
+        )
+        async with running(settings):
+            approval = sign(new_approval(event.event_id, "web-7", decided_by="test"), key)
+            # A forged copy with the same id first: rejected, and it does not shadow the real one.
+            forged = approval.model_copy(update={"decided_by": "mallory"})
+            await _send(broker, forged)
+            assert (await _outcome(rec, approval.approval_id)).data.reason == "bad-signature"
+            rec.messages.clear()
+            await _send(broker, approval)
+            outcome = await _outcome(rec, approval.approval_id)
+            assert outcome.kind is MessageType.APPROVAL_APPLIED
+            assert outcome.data.applied
+            assert not outcome.data.dry_run
+            await sim.wait_for_state(event.event_id, EventState.STARTED, within=5)
+            assert [a.vm for a in sim.get_event(event.event_id).approvals] == ["web-7"]
+            # Polling is fast after an approval: the start is seen well within a second.
+            await rec.wait_kind(MessageType.STARTED, within=2)
+            # The same approval again (a redelivery): acked, not applied twice.
+            await _send(broker, approval)
+            await rec.wait_kind(MessageType.STARTED, within=2)
+        assert len(_posts(server, "web-7")) == 1
+        assert len(rec.of(MessageType.APPROVAL_APPLIED)) == 1
+
+
+async def test_bad_approvals_are_rejected_with_their_reason_and_never_posted(
+    broker: Broker, tmp_path: Path
+) -> None:
+    private, public = write_key_pair(tmp_path / "keys")
+    key = load_signing_key(private)
+    other_private, _ = write_key_pair(tmp_path / "other")
+    stranger = load_signing_key(other_private)
+    async with (
+        simulator_server("web-7", "web-8") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        sim = server.simulator
+        scheduled = sim.add_event(
+            EventSpec(event_type=EventType.FREEZE, resources=["web-7"], not_before_seconds=900)
+        )
+        started = sim.add_event(
+            EventSpec(event_type=EventType.REDEPLOY, resources=["web-7"], not_before_seconds=900)
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
+        )
+        async with running(settings):
+            sim.start_event(started.event_id)
+            good = new_approval(scheduled.event_id, "web-7", decided_by="test")
+            tampered = sign(good, key).model_copy(update={"reason": "changed after signing"})
+            past = datetime.now(UTC) - timedelta(hours=1)
+            cases = {
+                RejectReason.BAD_SIGNATURE: tampered,
+                RejectReason.UNKNOWN_KEY: sign(_fresh(good), stranger),
+                RejectReason.MISSING_SIGNATURE: _fresh(good),
+                RejectReason.EXPIRED: sign(
+                    new_approval(
+                        scheduled.event_id,
+                        "web-7",
+                        decided_by="test",
+                        now=past,
+                        ttl=timedelta(minutes=59, seconds=50),
+                    ),
+                    key,
+                ),
+                RejectReason.NOT_FOR_THIS_VM: sign(
+                    new_approval(scheduled.event_id, "web-8", decided_by="test"), key
+                ),
+                RejectReason.EVENT_NOT_SCHEDULED: sign(
+                    new_approval(started.event_id, "web-7", decided_by="test"), key
+                ),
+                RejectReason.EVENT_NOT_FOUND: sign(
+                    new_approval(str(uuid.uuid4()).upper(), "web-7", decided_by="test"), key
+                ),
+            }
+            for reason, approval in cases.items():
+                await _send(broker, approval)  # all to web-7's queue, whoever they name
+                outcome = await _outcome(rec, approval.approval_id)
+                assert outcome.kind is MessageType.APPROVAL_REJECTED, reason
+                assert outcome.data.reason == reason.value
+                assert outcome.data.detail
+            malformed = approval_message(good)
+            transport = open_transport(broker.url, broker.channels)
+            async with transport:
+                from dataclasses import replace
+
+                await transport.send_approval(
+                    transport.reply_address("web-7"),
+                    replace(malformed, body=b"{not json", message_id="garbled"),
+                )
+            outcome = await _outcome(rec, "garbled")
+            assert outcome.data.reason == RejectReason.MALFORMED.value
+        assert _posts(server, "web-7") == []
+        assert sim.get_event(scheduled.event_id).state is EventState.SCHEDULED
+
+
+async def test_without_a_trust_key_the_agent_is_observe_only(tmp_path: Path) -> None:
+    private, _ = write_key_pair(tmp_path / "keys")
+    broker = Broker("memory://observe", _channels("observe"), "memory")
+    async with (
+        simulator_server("web-7") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        event = server.simulator.add_event(
+            EventSpec(event_type=EventType.FREEZE, not_before_seconds=900)
+        )
+        settings = settings_for(server, "web-7", broker.url, broker.channels, None)
+        async with running(settings):
+            approval = sign(
+                new_approval(event.event_id, "web-7", decided_by="t"), load_signing_key(private)
+            )
+            await _send(broker, approval)
+            outcome = await _outcome(rec, approval.approval_id)
+        assert outcome.data.reason == RejectReason.OBSERVE_ONLY.value
+        assert _posts(server, "web-7") == []
+
+
+async def test_unsigned_approvals_only_with_accept_unsigned(tmp_path: Path) -> None:
+    broker = Broker("memory://unsigned", _channels("unsigned"), "memory")
+    async with (
+        simulator_server("web-7") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        event = server.simulator.add_event(
+            EventSpec(event_type=EventType.FREEZE, not_before_seconds=900)
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, None, accept_unsigned_approvals=True
+        )
+        async with running(settings):
+            wrong_vm = new_approval(event.event_id, "web-8", decided_by="t")
+            await _send(broker, wrong_vm)
+            assert (await _outcome(rec, wrong_vm.approval_id)).data.reason == "not-for-this-vm"
+            approval = new_approval(event.event_id, "web-7", decided_by="t")
+            await _send(broker, approval)
+            assert (await _outcome(rec, approval.approval_id)).data.applied
+        assert len(_posts(server, "web-7")) == 1
+
+
+async def test_dry_run_verifies_and_reports_but_never_posts(tmp_path: Path) -> None:
+    private, public = write_key_pair(tmp_path / "keys")
+    broker = Broker("memory://dry", _channels("dry"), "memory")
+    async with (
+        simulator_server("web-7") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        event = server.simulator.add_event(
+            EventSpec(event_type=EventType.FREEZE, not_before_seconds=900)
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, None, trust_keys=(public,), dry_run=True
+        )
+        async with running(settings):
+            approval = sign(
+                new_approval(event.event_id, "web-7", decided_by="t"), load_signing_key(private)
+            )
+            await _send(broker, approval)
+            outcome = await _outcome(rec, approval.approval_id)
+        assert outcome.data.applied
+        assert outcome.data.dry_run
+        assert _posts(server, "web-7") == []
+        assert server.simulator.get_event(event.event_id).state is EventState.SCHEDULED
+
+
+def _channels(name: str):
+    from schemas.channels import ChannelNames
+
+    return ChannelNames().suffixed(f"{name}-{uuid.uuid4().hex[:6]}")
+
+
+def _fresh(approval: Approval) -> Approval:
+    return approval.model_copy(update={"approval_id": str(uuid.uuid4())})
