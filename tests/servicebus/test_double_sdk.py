@@ -79,7 +79,7 @@ async def test_queue_gives_each_message_to_one_receiver(client: ServiceBusClient
     ):
         got_first = await first.receive_messages(max_message_count=2, max_wait_time=WAIT)
         got_second = await second.receive_messages(max_message_count=4, max_wait_time=1)
-        ids = [m.message_id for m in got_first + got_second]
+        ids = [str(m.message_id) for m in got_first + got_second]
         assert sorted(ids) == ["m0", "m1", "m2", "m3"]
         assert len(got_first) == 2
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from types import TracebackType
 
 from proton.reactor import ApplicationEvent, Container, EventInjector
@@ -57,9 +58,7 @@ class ServiceBusDouble:
         for name in queues:
             self.namespace.declare_queue(name, self.options)
         for name in session_queues:
-            self.namespace.declare_queue(
-                name, EntityOptions(**{**self.options.__dict__, "requires_session": True})
-            )
+            self.namespace.declare_queue(name, replace(self.options, requires_session=True))
         topic_names = set(topics or {}) | set(session_topics or {})
         for name in sorted(topic_names):
             self.namespace.declare_topic(

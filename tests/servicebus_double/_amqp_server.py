@@ -20,26 +20,30 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from proton import (
     Array,
     Condition,
+    Connection,
     Data,
     Delivery,
     Disposition,
     Endpoint,
     Event,
+    Handler,
     Link,
     Message,
+    Session,
     Terminus,
+    Transport,
     symbol,
 )
-from proton import Handler
 from proton._reactor import Acceptor, Container, EventInjector, Task
 
 from . import _codec
@@ -129,7 +133,7 @@ def _uuid(value: Any) -> uuid.UUID:
     return uuid.UUID(str(value))
 
 
-class ServiceBusHandler(Handler):  # type: ignore[misc]
+class ServiceBusHandler(Handler):
     """Serves the Service Bus wire protocol for one ``Namespace``."""
 
     def __init__(self, namespace: Namespace, host: str, port: int) -> None:
@@ -152,8 +156,10 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
     def on_reactor_init(self, event: Event) -> None:
         container: Container = event.container
         self._container = container
-        self.acceptor = container.acceptor(self._host, self._requested_port)
-        sock = self.acceptor._selectable._delegate
+        # Bind directly (proton types the port as str, the socket takes an int) and read the
+        # port the kernel picked back from the listening socket.
+        self.acceptor = container.acceptor(self._host, cast(str, self._requested_port))
+        sock = cast(socket.socket, self.acceptor._selectable._delegate)
         self.port = int(sock.getsockname()[1])
         _LOGGER.info("listening on %s:%d", self._host, self.port)
         self._tick_task = container.schedule(TICK_SECONDS, self)
@@ -186,33 +192,37 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
                 transport.close_head()
         if self._container is not None:
             if self._connections:
-                self._container.schedule(STOP_GRACE_SECONDS, _ForceStop())
+                self._container.schedule(STOP_GRACE_SECONDS, cast(Handler, _ForceStop()))
             else:
                 self._container.stop()
 
     # ---- connections and sessions ------------------------------------------------------------
 
     def on_connection_bound(self, event: Event) -> None:
-        sasl = event.transport.sasl()
-        sasl.allowed_mechs("ANONYMOUS")
+        transport = cast(Transport, event.transport)
+        transport.sasl().allowed_mechs("ANONYMOUS")
         self._connections.add(event.connection)
 
     def on_connection_remote_open(self, event: Event) -> None:
-        if event.connection.state & Endpoint.LOCAL_UNINIT:
-            event.connection.open()
+        connection = cast(Connection, event.connection)
+        if connection.state & Endpoint.LOCAL_UNINIT:
+            connection.open()
 
     def on_session_remote_open(self, event: Event) -> None:
-        if event.session.state & Endpoint.LOCAL_UNINIT:
-            event.session.open()
+        session = cast(Session, event.session)
+        if session.state & Endpoint.LOCAL_UNINIT:
+            session.open()
 
     def on_session_remote_close(self, event: Event) -> None:
-        if not event.session.state & Endpoint.LOCAL_CLOSED:
-            event.session.close()
+        session = cast(Session, event.session)
+        if not session.state & Endpoint.LOCAL_CLOSED:
+            session.close()
 
     def on_connection_remote_close(self, event: Event) -> None:
-        self._forget_connection(event.connection)
-        if not event.connection.state & Endpoint.LOCAL_CLOSED:
-            event.connection.close()
+        connection = cast(Connection, event.connection)
+        self._forget_connection(connection)
+        if not connection.state & Endpoint.LOCAL_CLOSED:
+            connection.close()
 
     def on_transport_closed(self, event: Event) -> None:
         if event.connection is not None:
@@ -238,7 +248,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
     # ---- links -------------------------------------------------------------------------------
 
     def on_link_remote_open(self, event: Event) -> None:
-        link: Link = event.link
+        link = cast(Link, event.link)
         terminus = link.remote_source if link.is_sender else link.remote_target
         address = terminus.address or ""
         link.snd_settle_mode = link.remote_snd_settle_mode
@@ -365,7 +375,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
         self._refuse(link, condition, text)
 
     def on_link_remote_close(self, event: Event) -> None:
-        link: Link = event.link
+        link = cast(Link, event.link)
         try:
             state: _LinkState = link.sb_state
         except AttributeError:
@@ -376,7 +386,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
             link.close()
 
     def on_link_flow(self, event: Event) -> None:
-        link: Link = event.link
+        link = cast(Link, event.link)
         if link.is_sender:
             self._pump(link)
 
@@ -414,7 +424,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
                 break
             tag = delivery.lock_token.bytes_le if delivery.lock_token else uuid.uuid4().bytes_le
             payload = self.encode_for_receiver(delivery.message, delivery.locked_until)
-            outgoing = link.delivery(tag)
+            outgoing = link.delivery(cast(str, tag))  # proton takes bytes tags too
             link.send(payload)
             link.advance()
             if delivery.lock_token is None:
@@ -452,8 +462,8 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
     # ---- deliveries --------------------------------------------------------------------------
 
     def on_delivery(self, event: Event) -> None:
-        delivery: Delivery = event.delivery
-        link: Link = event.link
+        delivery = cast(Delivery, event.delivery)
+        link = cast(Link, event.link)
         try:
             state: _LinkState = link.sb_state
         except AttributeError:
@@ -508,7 +518,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
         if partner is None:
             _LOGGER.warning("no reply link for %r on %s", wanted, link.name)
             return
-        outgoing = partner.delivery(uuid.uuid4().bytes)
+        outgoing = partner.delivery(str(uuid.uuid4()))
         partner.send(reply.encode())
         partner.advance()
         outgoing.settle()
@@ -556,7 +566,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
     def _dead_letter_details(condition: Condition | None) -> tuple[str | None, str | None]:
         if condition is None:
             return None, None
-        info = condition.info or {}
+        info: dict[Any, Any] = condition.info if isinstance(condition.info, dict) else {}
         reason = _as_str(info.get(symbol("DeadLetterReason"), info.get("DeadLetterReason")))
         description = _as_str(
             info.get(
@@ -570,7 +580,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
 
     @staticmethod
     def _cbs(request: Message) -> Message:
-        props = request.properties or {}
+        props: dict[Any, Any] = request.properties or {}
         _LOGGER.debug("put-token for %r", props.get("name"))
         return Message(
             correlation_id=request.id,
@@ -578,7 +588,7 @@ class ServiceBusHandler(Handler):  # type: ignore[misc]
         )
 
     def _management(self, state: _LinkState, request: Message) -> Message:
-        props = request.properties or {}
+        props: dict[Any, Any] = request.properties or {}
         operation = _as_str(props.get("operation")) or ""
         body = request.body if isinstance(request.body, dict) else {}
         status, description, value, condition = 200, "OK", None, None

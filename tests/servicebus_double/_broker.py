@@ -460,7 +460,7 @@ class Namespace:
 
     def defer(self, token: uuid.UUID) -> None:
         with self._lock:
-            entity, message = self._settle(token)
+            _entity, message = self._settle(token)
             self._clear_lock(message)
             message.deferred = True
 

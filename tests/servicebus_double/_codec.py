@@ -9,7 +9,7 @@ trip exactly as the SDK wrote them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from proton import Data, Described, symbol, timestamp, uint, ulong
 
@@ -53,7 +53,8 @@ def split_sections(payload: bytes) -> list[Section]:
         inner = value.value
         if isinstance(inner, memoryview):  # proton's view dies with its Data: copy it now
             inner = bytes(inner)
-        sections.append(Section(int(value.descriptor), inner, payload[pos : pos + consumed]))
+        code = cast(int, value.descriptor)
+        sections.append(Section(int(code), inner, payload[pos : pos + consumed]))
         pos += consumed
     return sections
 
