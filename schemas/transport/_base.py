@@ -123,9 +123,10 @@ class Transport(Protocol):
         """Send an approval to one VM; returns once the broker confirmed it."""
         ...
 
-    async def declare_group(self, group: str) -> None:
+    async def declare_group(self, group: str, *, exclusive: bool | None = None) -> None:
         """Create the consumer group's durable copy of the stream (idempotent), so messages
-        published from now on wait for it even before a consumer runs."""
+        published from now on wait for it even before a consumer runs. ``exclusive`` as in
+        :meth:`subscribe`; None takes an existing group as it is (new: competing consumers)."""
         ...
 
     def subscribe(self, group: str, *, prefetch: int = 64, exclusive: bool = False) -> Subscription:

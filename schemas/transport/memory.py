@@ -310,7 +310,7 @@ class MemoryTransport:
         expires = None if message.ttl_seconds is None else time.monotonic() + message.ttl_seconds
         self.broker.vm(to.key).put(_Stored(message, expires_at=expires))
 
-    async def declare_group(self, group: str) -> None:
+    async def declare_group(self, group: str, *, exclusive: bool | None = None) -> None:
         self._check()
         self.broker.group(group)
 

@@ -429,11 +429,12 @@ class RabbitMQTransport:
                 hint or f"delete the queue {name!r} so it is declared again",
             ) from exc
 
-    async def declare_group(self, group: str) -> None:
-        """Create the group's queue (competing consumers) if missing. A group read by one
-        consumer at a time is created by ``subscribe(group, exclusive=True)`` instead."""
+    async def declare_group(self, group: str, *, exclusive: bool | None = None) -> None:
+        """Create the group's queue if missing. ``exclusive=None`` takes an existing queue as it
+        is and creates a missing one for competing consumers; True or False must match how the
+        queue was created (``x-single-active-consumer``)."""
         self._require()
-        await self._declare_group(group, None)
+        await self._declare_group(group, exclusive)
 
     async def _declare_vm(self, vm: str) -> None:
         queue = self.vm_queue(vm)
