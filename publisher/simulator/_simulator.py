@@ -78,14 +78,15 @@ class Simulator:
 
     def add_vm(self, name: str) -> VmIdentity:
         """Add a VM; raises DuplicateVmError or InvalidVmNameError."""
-        self._ledger.add_vm(name)
-        if self._config.first_call_delay > 0:
-            self._first_call_waiting.add(name)
+        self.add_vms([name])
         return self._ledger.identity(name)
 
     def add_vms(self, names: Iterable[str]) -> None:
+        """Add VMs in order (their identities are computed on first use: fleets start fast)."""
         for name in names:
-            self.add_vm(name)
+            self._ledger.add_vm(name)
+            if self._config.first_call_delay > 0:
+                self._first_call_waiting.add(name)
 
     def has_vm(self, name: str) -> bool:
         return self._ledger.has_vm(name)
