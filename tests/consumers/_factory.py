@@ -71,7 +71,13 @@ def event(
 
 
 def transition(
-    kind: str, ev: ScheduledEvent, identity: VmIdentity, *, at: datetime = T0, sequence: int = 0
+    kind: str,
+    ev: ScheduledEvent,
+    identity: VmIdentity,
+    *,
+    at: datetime = T0,
+    sequence: int = 0,
+    approvals: str = APPROVALS,
 ) -> TransitionMessage:
     previous = {
         "scheduled": None,
@@ -83,21 +89,25 @@ def transition(
     return TransitionMessage.build(
         Transition(TransitionKind(kind), ev, previous, 1),
         vm=identity,
-        reply_to=ReplyAddress(channel=APPROVALS, key=identity.name),
+        reply_to=ReplyAddress(channel=approvals, key=identity.name),
         observed_at=at,
         sequence=sequence,
     )
 
 
 def heartbeat(
-    identity: VmIdentity, *, at: datetime = T0, kind: MessageType = MessageType.AGENT_HEARTBEAT
+    identity: VmIdentity,
+    *,
+    at: datetime = T0,
+    kind: MessageType = MessageType.AGENT_HEARTBEAT,
+    approvals: str = APPROVALS,
 ) -> AgentMessage:
     return AgentMessage.build(
         kind,
         AgentData(
             vm=identity,
             agent_version="0.1.0",
-            reply_to=ReplyAddress(channel=APPROVALS, key=identity.name),
+            reply_to=ReplyAddress(channel=approvals, key=identity.name),
             reason="SIGTERM" if kind is MessageType.AGENT_OFFLINE else None,
         ),
         observed_at=at,
