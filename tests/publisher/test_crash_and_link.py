@@ -1,0 +1,193 @@
+"""Nothing is lost: the agent as a subprocess killed with SIGKILL at random points of a scenario,
+and the broker link cut and restored by a TCP proxy. Real RabbitMQ, simulator over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from publisher.simulator import EventSpec, EventStatus, EventType
+from schemas import MessageType
+from tests.transport.proxy import TcpProxy
+
+from .harness import Recorder, recorder, running, settings_for, simulator_server
+
+pytestmark = [pytest.mark.rabbitmq]
+
+
+def _check_stream(rec: Recorder, expected: dict[str, list[str]]) -> None:
+    """Deduplicated by id, each event has exactly the expected transitions in order, and every
+    repeat of a message carries the same bytes."""
+    bodies: dict[str, bytes] = {}
+    per_event: dict[str, list[str]] = defaultdict(list)
+    for message, body in zip(rec.messages, rec.bodies, strict=True):
+        if message.id in bodies:
+            assert bodies[message.id] == body, f"message {message.id} repeated with other bytes"
+            continue
+        bodies[message.id] = body
+        if message.kind.is_transition:
+            per_event[message.subject or ""].append(message.kind.value)
+    assert dict(per_event) == expected
+
+
+async def _spawn(args: list[str], log: Path) -> asyncio.subprocess.Process:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SE_RELAY_")}
+    with log.open("ab") as stderr:  # the child keeps its own copy of the descriptor
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "publisher", *args,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_sigkill_at_random_points_loses_nothing(
+    amqp_url: str, unique: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("schemas.transport.rabbitmq")
+    from schemas.channels import ChannelNames
+
+    from .conftest import delete_rabbitmq_entities
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    channels = ChannelNames().suffixed(unique)
+    log = tmp_path / "agent.log"
+    try:
+        async with (
+            simulator_server("web-7") as server,
+            recorder(amqp_url, channels) as rec,
+        ):
+            sim = server.simulator
+            args = [
+                "--imds-url", server.vm_url("web-7"),
+                "--broker", amqp_url,
+                "--channel-suffix", unique,
+                "--state-dir", str(tmp_path / "state"),
+                "--imds-first-timeout", "5",
+                "--drain-timeout", "5",
+                "--log-level", "DEBUG",
+            ]  # fmt: skip
+            process = await _spawn(args, log)
+            kills = sorted(rng.uniform(0.3, 9.5) for _ in range(4))
+
+            async def killer() -> int:
+                nonlocal process
+                began = time.monotonic()
+                for at in kills:
+                    await asyncio.sleep(max(0.0, at - (time.monotonic() - began)))
+                    process.kill()
+                    await process.wait()
+                    process = await _spawn(args, log)
+                return len(kills)
+
+            kill_task = asyncio.create_task(killer())
+            # Each state lasts longer than a restart takes, so every one is observable.
+            a = sim.add_event(
+                EventSpec(event_type=EventType.FREEZE, not_before_seconds=900, run_seconds=900)
+            )
+            b = sim.add_event(
+                EventSpec(
+                    event_type=EventType.REBOOT, event_status=EventStatus.STARTED, run_seconds=900
+                )
+            )
+            await asyncio.sleep(2.5)
+            sim.start_event(a.event_id)
+            c = sim.add_event(EventSpec(event_type=EventType.REDEPLOY, not_before_seconds=900))
+            await asyncio.sleep(2.5)
+            sim.cancel_event(c.event_id)
+            sim.complete_event(b.event_id)
+            await asyncio.sleep(2.5)
+            sim.complete_event(a.event_id)
+            await asyncio.sleep(2.5)
+            assert await kill_task == 4
+            await rec.wait_for(
+                lambda ms: (
+                    {m.subject for m in ms if m.kind is MessageType.COMPLETED}
+                    >= {a.event_id, b.event_id}
+                ),
+                within=20,
+            )
+            await rec.wait_kind(MessageType.CANCELED, within=10)
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 20) == 0
+            await rec.wait_kind(MessageType.AGENT_OFFLINE, within=10)
+            await asyncio.sleep(0.3)
+        expected = {
+            a.event_id: ["scheduled", "started", "completed"],
+            b.event_id: ["started", "completed"],
+            c.event_id: ["scheduled", "canceled"],
+        }
+        try:
+            _check_stream(rec, expected)
+        except AssertionError:
+            print(f"seed {seed}, kills at {kills}\n{log.read_text()[-5000:]}")
+            raise
+        # One state dir, one sequence: first deliveries arrive in sequence order, no number
+        # is given twice, whatever the kills.
+        first: dict[str, int] = {}
+        for message in rec.messages:
+            first.setdefault(message.id, message.sequence)
+        sequences = list(first.values())
+        assert sequences == sorted(sequences)
+        assert len(set(sequences)) == len(sequences)
+        assert rec.of(MessageType.AGENT_ONLINE)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await delete_rabbitmq_entities(amqp_url, channels, ["web-7"])
+
+
+async def test_a_cut_broker_link_loses_nothing_and_publishing_resumes_quickly(
+    amqp_url: str, unique: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("schemas.transport.rabbitmq")
+    from urllib.parse import urlsplit
+
+    from schemas.channels import ChannelNames
+
+    from .conftest import delete_rabbitmq_entities
+
+    channels = ChannelNames().suffixed(unique)
+    split = urlsplit(amqp_url)
+    try:
+        async with (
+            TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
+            simulator_server("web-7") as server,
+            recorder(amqp_url, channels) as rec,
+        ):
+            proxied = f"amqp://guest:guest@127.0.0.1:{proxy.port}/"
+            settings = settings_for(server, "web-7", proxied, channels, tmp_path)
+            sim = server.simulator
+            async with running(settings) as agent:
+                a = sim.add_event(
+                    EventSpec(event_type=EventType.FREEZE, not_before_seconds=900, run_seconds=900)
+                )
+                await rec.wait_kind(MessageType.SCHEDULED)
+                await proxy.cut()
+                b = sim.add_event(EventSpec(event_type=EventType.REBOOT, not_before_seconds=900))
+                sim.start_event(a.event_id)
+                await asyncio.sleep(2.0)  # the agent sees both, cannot publish them
+                assert agent.health()[1]["outbox_depth"] >= 2
+                count = len(rec.messages)
+                await proxy.restore()
+                restored = time.monotonic()
+                await rec.wait_for(lambda ms: len(ms) > count, within=10)
+                resumed = time.monotonic() - restored
+                await rec.wait_kind(MessageType.STARTED)
+                await rec.wait_for(lambda ms: any(m.subject == b.event_id for m in ms))
+            await rec.wait_kind(MessageType.AGENT_OFFLINE)
+        _check_stream(rec, {a.event_id: ["scheduled", "started"], b.event_id: ["scheduled"]})
+        assert resumed < 1.0, f"publishing resumed {resumed:.2f} s after the link came back"
+    finally:
+        await delete_rabbitmq_entities(amqp_url, channels, ["web-7"])
