@@ -196,7 +196,7 @@ async def main() -> None:
                         )
                         created[event.event_id] = at
                         async with asyncio.timeout(10):
-                            while event.event_id not in received or event.event_id not in printed:  # noqa: ASYNC110, E501 (two readers fill these)
+                            while event.event_id not in received or event.event_id not in printed:  # noqa: ASYNC110 (two readers fill these)
                                 await asyncio.sleep(0.01)
                         sim.cancel_event(event.event_id)
                     await sampled(meters, 1.5)
