@@ -228,7 +228,7 @@ class PolicySet:
             if verdict is not None and verdict.action is Action.NEVER:
                 return verdict
         approval: Verdict | None = None
-        waiting: list[str] = []
+        waiting: list[Verdict] = []
         for policy in self._role("approve"):
             verdict = policy.evaluate(event, fleet, now)
             if verdict is None:
@@ -236,12 +236,14 @@ class PolicySet:
             if verdict.action is Action.APPROVE:
                 approval = verdict
                 break
-            waiting.append(verdict.reason)
+            waiting.append(verdict)
         if approval is None:
             when = event.event.not_before
             lapse = f"NotBefore {when.isoformat()} applies" if when else "NotBefore applies"
-            why = "; ".join(waiting) if waiting else "no policy approves it"
-            return Verdict(Action.WAIT, f"{why}: {lapse}", "default")
+            if waiting:
+                why = "; ".join(v.reason for v in waiting)
+                return Verdict(Action.WAIT, f"{why}, else {lapse}", waiting[0].policy)
+            return Verdict(Action.WAIT, f"no policy approves it: {lapse}", "default")
         for policy in self._role("guard"):
             verdict = policy.evaluate(event, fleet, now)
             if verdict is not None and verdict.action is not Action.APPROVE:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from datetime import timedelta
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -16,26 +14,6 @@ from consumers._audit import open_ledger
 from consumers._cli import main
 
 from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
-
-
-@pytest.fixture
-async def postgres_url(postgres_dsn):
-    """A database of this test's own, dropped afterwards."""
-    import asyncpg
-
-    name = f"audit_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(postgres_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    split = urlsplit(postgres_dsn)
-    yield urlunsplit(split._replace(path=f"/{name}"))
-    admin = await asyncpg.connect(postgres_dsn)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -20,6 +20,7 @@ from consumers import FleetStream
 from schemas import Approval, ChannelNames, MessageType, TransitionMessage
 from schemas.approvals import write_key_pair
 from schemas.transport import OutgoingMessage, open_transport
+from schemas.transport.rabbitmq import RabbitMQTransport
 from schemas.wire import lifecycle_message
 
 from ._factory import event, heartbeat, transition, vm
@@ -35,6 +36,7 @@ async def rabbit(amqp_url, unique):
     groups = ["audit", "approver"]
     vms: list[str] = []
     async with open_transport(amqp_url, channels) as transport:
+        assert isinstance(transport, RabbitMQTransport)
         transport.test_vms = vms  # type: ignore[attr-defined]
         yield transport
         await transport.delete_topology(groups=groups, vms=vms, exchanges=True)
@@ -65,8 +67,8 @@ async def test_poison_of_each_kind_is_dead_lettered_with_its_reason_and_good_one
         await rabbit.publish(lifecycle_message(good[1]))  # an agent's repeat
         got = []
         async with asyncio.timeout(10):
-            async for message in stream:
-                got.append(message.id)
+            async for received in stream:
+                got.append(received.id)
                 if len(got) == 3:
                     break
     assert got == [m.id for m in good]
@@ -144,7 +146,7 @@ def _approver(amqp_url: str, suffix: str, key: Path, log: Path) -> subprocess.Po
 
 async def _wait_for_text(path: Path, text: str, within: float = 20) -> None:
     async with asyncio.timeout(within):
-        while text not in path.read_text():  # noqa: ASYNC110 - another process writes it
+        while text not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes
             await asyncio.sleep(0.05)
 
 
@@ -177,7 +179,9 @@ async def test_two_approvers_one_killed_mid_stream_lose_no_decision(
         await _wait_for_text(logs[1], "reading group")
         await asyncio.sleep(0.5)
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(collect(n, s)) for n, s in zip(names, subscriptions)]
+            tasks = [
+                group.create_task(collect(n, s)) for n, s in zip(names, subscriptions, strict=False)
+            ]
             for index, name in enumerate(names):
                 identity = vm(name)
                 reply = rabbit.channels.approvals_exchange
