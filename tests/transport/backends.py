@@ -35,6 +35,9 @@ class Backend:
     #: An approval to a VM that never declared its queue raises PublishNotConfirmed (RabbitMQ:
     #: mandatory + unroutable); elsewhere it waits for the VM.
     unroutable_approval_raises: bool = False
+    #: One active consumer at a time per group (RabbitMQ single-active-consumer); Service Bus
+    #: has none on a subscription and says so with a ConfigError.
+    single_active_consumer: bool = True
     groups: set[str] = field(default_factory=set)
     vms: set[str] = field(default_factory=set)
 
@@ -93,6 +96,36 @@ async def rabbitmq_backend(request: pytest.FixtureRequest, unique: str) -> Async
             await transport.delete_topology(groups=backend.groups, vms=backend.vms, exchanges=True)
 
 
+#: The consumer groups the contract suite reads; on Service Bus an operator creates the
+#: subscriptions beforehand, so the double declares these.
+SERVICEBUS_GROUPS = ("audit", "fleet", "approver", "policy", "ordered")
+
+
+@contextlib.asynccontextmanager
+async def servicebus_backend(request: pytest.FixtureRequest, unique: str) -> AsyncIterator[Backend]:
+    from schemas.transport.servicebus import ServiceBusTransport
+    from tests.servicebus_double import EntityOptions, ServiceBusDouble
+
+    channels = ChannelNames().suffixed(unique)
+    double = ServiceBusDouble(
+        session_queues=[channels.approvals_queue],
+        topics={channels.events_topic: SERVICEBUS_GROUPS},
+        options=EntityOptions(lock_duration=5.0, max_delivery_count=10),
+    )
+    with double:
+        unreachable = (
+            f"Endpoint=sb://127.0.0.1:{closed_port()};SharedAccessKeyName=k;"
+            "SharedAccessKey=s;UseDevelopmentEmulator=true"
+        )
+        yield Backend(
+            "servicebus",
+            channels,
+            lambda: ServiceBusTransport(double.connection_string, channels),
+            unreachable=lambda: ServiceBusTransport(unreachable, channels),
+            single_active_consumer=False,
+        )
+
+
 BackendFactory = Callable[
     [pytest.FixtureRequest, str], contextlib.AbstractAsyncContextManager[Backend]
 ]
@@ -101,4 +134,5 @@ BackendFactory = Callable[
 BACKENDS: dict[str, tuple[BackendFactory, tuple[pytest.MarkDecorator, ...]]] = {
     "memory": (memory_backend, ()),
     "rabbitmq": (rabbitmq_backend, (pytest.mark.rabbitmq,)),
+    "servicebus": (servicebus_backend, (pytest.mark.servicebus,)),
 }
