@@ -126,6 +126,33 @@ async def servicebus_backend(request: pytest.FixtureRequest, unique: str) -> Asy
         )
 
 
+@contextlib.asynccontextmanager
+async def servicebus_live_backend(
+    request: pytest.FixtureRequest, unique: str
+) -> AsyncIterator[Backend]:
+    """The same suite against the official emulator or a real namespace, when
+    ``SERVICEBUS_CONNECTION_STRING`` names one. Its entities keep the default names (topic
+    ``scheduled-events`` with the subscriptions in :data:`SERVICEBUS_GROUPS`, session queue
+    ``scheduled-events-approvals``): create them first, as the README shows."""
+    import os
+
+    from schemas.channels import DEFAULT_CHANNELS
+    from schemas.transport.servicebus import ServiceBusTransport
+
+    connection_string = os.environ.get("SERVICEBUS_CONNECTION_STRING")
+    if not connection_string:
+        pytest.skip(
+            "SERVICEBUS_CONNECTION_STRING is not set: no Service Bus emulator or namespace to "
+            "run against (the double runs the same tests)"
+        )
+    yield Backend(
+        "servicebus-live",
+        DEFAULT_CHANNELS,
+        lambda: ServiceBusTransport(connection_string, DEFAULT_CHANNELS),
+        single_active_consumer=False,
+    )
+
+
 BackendFactory = Callable[
     [pytest.FixtureRequest, str], contextlib.AbstractAsyncContextManager[Backend]
 ]
@@ -135,4 +162,5 @@ BACKENDS: dict[str, tuple[BackendFactory, tuple[pytest.MarkDecorator, ...]]] = {
     "memory": (memory_backend, ()),
     "rabbitmq": (rabbitmq_backend, (pytest.mark.rabbitmq,)),
     "servicebus": (servicebus_backend, (pytest.mark.servicebus,)),
+    "servicebus-live": (servicebus_live_backend, (pytest.mark.servicebus,)),
 }
