@@ -1,26 +1,29 @@
-"""A Service Bus double per test, with the entities the tests of the double use."""
+"""A Service Bus double per test, and SDK handlers that close together at the end."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
-from azure.servicebus.aio import ServiceBusClient
+from azure.servicebus.aio import ServiceBusClient, ServiceBusReceiver, ServiceBusSender
 
 from tests.servicebus_double import EntityOptions, ServiceBusDouble
 
 LOCK_DURATION = 1.0
 MAX_DELIVERY_COUNT = 3
+CLOSE_TIMEOUT = 10.0
 
 
 @pytest.fixture
 def servicebus_double() -> Iterator[ServiceBusDouble]:
-    """A started double: queue ``q``, session queue ``sq``, topic ``t`` with ``a`` and ``b``.
+    """A started double: queues ``q``, session queue ``sq``, topic ``t`` with ``a`` and ``b``.
 
     A short lock duration (1 s) keeps the lock-expiry tests fast.
     """
     double = ServiceBusDouble(
-        queues=["q", "q2"],
+        queues=["q"],
         session_queues=["sq"],
         topics={"t": ["a", "b"]},
         options=EntityOptions(
@@ -33,9 +36,56 @@ def servicebus_double() -> Iterator[ServiceBusDouble]:
         yield double
 
 
+class Handlers:
+    """SDK senders and receivers of one test, closed concurrently when it ends.
+
+    Closing an SDK handler waits for its keep-alive task, which sleeps a second at a time
+    (``_keep_alive_async`` in ``_pyamqp/aio/_client_async.py``): closed one after another
+    they would dominate the run time.
+    """
+
+    def __init__(self, client: ServiceBusClient) -> None:
+        self.client = client
+        self._open: list[ServiceBusSender | ServiceBusReceiver] = []
+
+    def queue_sender(self, queue: str) -> ServiceBusSender:
+        sender = self.client.get_queue_sender(queue)
+        self._open.append(sender)
+        return sender
+
+    def topic_sender(self, topic: str) -> ServiceBusSender:
+        sender = self.client.get_topic_sender(topic)
+        self._open.append(sender)
+        return sender
+
+    def queue_receiver(self, queue: str, **kwargs: Any) -> ServiceBusReceiver:
+        receiver = self.client.get_queue_receiver(queue, **kwargs)
+        self._open.append(receiver)
+        return receiver
+
+    def subscription_receiver(self, topic: str, sub: str, **kwargs: Any) -> ServiceBusReceiver:
+        receiver = self.client.get_subscription_receiver(topic, sub, **kwargs)
+        self._open.append(receiver)
+        return receiver
+
+    async def close(self) -> None:
+        handlers, self._open = self._open, []
+        results = await asyncio.wait_for(
+            asyncio.gather(*(h.close() for h in handlers), return_exceptions=True),
+            CLOSE_TIMEOUT,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+
 @pytest.fixture
-async def client(servicebus_double: ServiceBusDouble) -> AsyncIterator[ServiceBusClient]:
+async def handlers(servicebus_double: ServiceBusDouble) -> AsyncIterator[Handlers]:
     async with ServiceBusClient.from_connection_string(
         servicebus_double.connection_string
-    ) as sb_client:
-        yield sb_client
+    ) as client:
+        opened = Handlers(client)
+        try:
+            yield opened
+        finally:
+            await opened.close()

@@ -32,6 +32,7 @@ _LOGGER = logging.getLogger(__name__)
 
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0
+SELECT_TIMEOUT = 3.14159
 
 
 class ServiceBusDouble:
@@ -107,6 +108,9 @@ class ServiceBusDouble:
         container = self._container
 
         try:
+            # As Container.run() does: block in select() up to this long between events (I/O,
+            # timers and the stop injector wake it); left at 0 the thread would spin.
+            container.timeout = SELECT_TIMEOUT
             container.start()
             while container.process():
                 if self._handler.port is not None:
