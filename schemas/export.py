@@ -97,9 +97,7 @@ def _message(name: str, title: str, summary: str, content_type: str) -> dict[str
 def asyncapi() -> dict[str, Any]:
     """The AsyncAPI 3.0 document: both brokers, both flows."""
     names = DEFAULT_CHANNELS
-    lifecycle_refs = {
-        stem: {"$ref": f"#/components/messages/{stem}"} for stem in _EXAMPLE_KEYS
-    }
+    lifecycle_refs = {stem: {"$ref": f"#/components/messages/{stem}"} for stem in _EXAMPLE_KEYS}
     approval_ref = {"approval": {"$ref": "#/components/messages/approval"}}
     types = ", ".join(f"`{kind.value}`" for kind in MessageType)
     return {
@@ -265,6 +263,7 @@ def render_all() -> dict[Path, str]:
         Path("jsonschema") / f"{stem}.json": json.dumps(schema, indent=2, sort_keys=True) + "\n"
         for stem, schema in json_schemas().items()
     }
+
     class _NoAliases(yaml.SafeDumper):
         def ignore_aliases(self, data: Any) -> bool:
             return True

@@ -190,7 +190,7 @@ class ScheduledEventsDocument(BaseModel):
     )
 
     document_incarnation: int = Field(alias="DocumentIncarnation", ge=0)
-    events: tuple[ScheduledEvent, ...] = Field(default=(), alias="Events")
+    events: tuple[ScheduledEvent, ...] = Field(alias="Events")
 
     @classmethod
     def from_imds(cls, data: object) -> ScheduledEventsDocument:
