@@ -133,3 +133,12 @@ def test_session_state(ns: Namespace) -> None:
     assert ns.get_session_state("sq", "S") == b"42"
     ns.set_session_state("sq", "S", None)
     assert ns.get_session_state("sq", "S") is None
+
+
+def test_expired_messages_are_not_delivered(ns: Namespace, clock: FakeClock) -> None:
+    ns.send("q", [IncomingMessage(b"stale", time_to_live=1.0), msg(b"fresh")])
+    clock.now += 2
+    got = ns.receive("q", "r")
+    assert got is not None
+    assert got.message.payload == b"fresh"
+    assert ns.count("q") == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 
 import pytest
@@ -324,3 +325,18 @@ async def test_session_enabled_subscription() -> None:
                 assert sb.namespace.count("st/Subscriptions/plain") == 1
             finally:
                 await opened.close()
+
+
+async def test_an_expired_message_is_not_delivered(handlers: Handlers) -> None:
+    # The SDK sends whole seconds: int(time_to_live.total_seconds()) * 1000 ms, so anything
+    # under a second goes out as 0, which means no expiry at all.
+    sender = handlers.queue_sender("q")
+    await sender.send_messages(
+        ServiceBusMessage(b"stale", time_to_live=datetime.timedelta(seconds=1))
+    )
+    await sender.send_messages(ServiceBusMessage(b"fresh"))
+    await asyncio.sleep(1.1)
+    receiver = handlers.queue_receiver("q", max_wait_time=WAIT)
+    (got,) = await receiver.receive_messages(max_message_count=1, max_wait_time=WAIT)
+    assert body(got) == b"fresh"
+    assert got.time_to_live is None

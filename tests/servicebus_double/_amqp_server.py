@@ -124,7 +124,7 @@ def _decode(payload: bytes) -> Message:
 
 def _incoming_message(payload: bytes) -> IncomingMessage:
     message_id, session_id = _codec.routing_keys(payload)
-    return IncomingMessage(payload, message_id, session_id)
+    return IncomingMessage(payload, message_id, session_id, _codec.time_to_live(payload))
 
 
 def _uuid(value: Any) -> uuid.UUID:

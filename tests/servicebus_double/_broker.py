@@ -33,6 +33,7 @@ _LOGGER = logging.getLogger(__name__)
 DEAD_LETTER_SUFFIX = "/$DeadLetterQueue"
 SUBSCRIPTIONS_SEGMENT = "/subscriptions/"
 MAX_DELIVERY_COUNT_EXCEEDED = "MaxDeliveryCountExceeded"
+TTL_EXPIRED = "TTLExpiredException"
 
 Clock = Callable[[], float]
 
@@ -83,6 +84,7 @@ class EntityOptions:
     max_delivery_count: int = 10
     requires_session: bool = False
     duplicate_detection_window: float | None = 600.0
+    dead_lettering_on_message_expiration: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class IncomingMessage:
     payload: bytes
     message_id: str | None = None
     session_id: str | None = None
+    time_to_live: float | None = None
 
 
 @dataclass
@@ -106,6 +109,7 @@ class StoredMessage:
     dead_letter_description: str | None = None
     dead_letter_source: str | None = None
     deferred: bool = False
+    expires_at: float | None = None
     lock_token: uuid.UUID | None = None
     locked_until: float | None = None
     locked_by: str | None = None
@@ -292,6 +296,11 @@ class Namespace:
                             payload=incoming.payload,
                             message_id=incoming.message_id,
                             session_id=incoming.session_id,
+                            expires_at=(
+                                None
+                                if incoming.time_to_live is None
+                                else now + incoming.time_to_live
+                            ),
                         )
                     )
                 kept += 1
@@ -485,6 +494,7 @@ class Namespace:
     ) -> list[StoredMessage]:
         with self._lock:
             entity = self._entity(address)
+            self._expire_entity(entity, self._clock())
             found = [
                 replace(m)
                 for seq, m in sorted(entity.messages.items())
@@ -510,6 +520,17 @@ class Namespace:
 
     def _expire_entity(self, entity: _Entity, now: float) -> bool:
         changed = False
+        for message in list(entity.messages.values()):
+            if message.lock_token is not None or message.expires_at is None:
+                continue
+            if message.expires_at <= now:
+                _LOGGER.info("message %s #%d expired", entity.path, message.sequence_number)
+                if entity.options.dead_lettering_on_message_expiration:
+                    self._move_to_dead_letter(
+                        entity, message, TTL_EXPIRED, "The message expired and was dead lettered."
+                    )
+                else:
+                    del entity.messages[message.sequence_number]
         for session_id, lock in list(entity.session_locks.items()):
             if lock.locked_until <= now:
                 _LOGGER.info("session lock on %s/%s expired", entity.path, session_id)
@@ -564,4 +585,5 @@ class Namespace:
         message.dead_letter_reason = reason
         message.dead_letter_description = description
         message.dead_letter_source = entity.path
+        message.expires_at = None
         entity.dead_letter.add(message)

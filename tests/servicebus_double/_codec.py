@@ -38,16 +38,18 @@ def split_sections(payload: bytes) -> list[Section]:
     sections: list[Section] = []
     pos = 0
     while pos < len(payload):
+        if payload[pos] != 0x00:  # every section is a described type
+            raise SectionError(f"not a message section at byte {pos}")
         data = Data()
         try:
             consumed = data.decode(payload[pos:])
-        except Exception as exc:  # proton raises DataException and friends
+            data.rewind()
+            data.next()
+            value = data.get_object()
+        except Exception as exc:  # proton raises DataException, ValueError and friends
             raise SectionError(f"undecodable section at byte {pos}") from exc
         if consumed <= 0:
             raise SectionError(f"empty section at byte {pos}")
-        data.rewind()
-        data.next()
-        value = data.get_object()
         if not isinstance(value, Described) or value.descriptor not in SECTION_CODES:
             raise SectionError(f"not a message section at byte {pos}: {value!r}")
         inner = value.value
@@ -94,6 +96,16 @@ def routing_keys(payload: bytes) -> tuple[str | None, str | None]:
                 None if group_id is None else str(group_id),
             )
     return None, None
+
+
+def time_to_live(payload: bytes) -> float | None:
+    """The header's ``ttl`` in seconds, if the sender set one."""
+    for section in split_sections(payload):
+        if section.code == HEADER:
+            fields = list(section.value) + [None] * 5
+            ttl = fields[2]
+            return None if not ttl else int(ttl) / 1000.0
+    return None
 
 
 def _encode(code: int, value: Any) -> bytes:
