@@ -80,6 +80,9 @@ class ImdsClient:
             headers={"Metadata": "true"},
             timeout=httpx.Timeout(timeout),
             follow_redirects=False,
+            # IMDS is plain HTTP on a link-local address: an http:// base never uses TLS, so
+            # the CA bundle (about 1.3 MiB resident) is not loaded for it.
+            verify=not self.base_url.startswith("http://"),
         )
 
     async def __aenter__(self) -> Self:
