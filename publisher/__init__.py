@@ -8,7 +8,32 @@
 The CLI is ``python -m publisher`` (console script ``scheduled-events-agent``).
 """
 
-from ._agent import AGENT_VERSION, Agent
-from ._settings import ENV_PREFIX, AgentSettings, HookSpec, parse_settings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._agent import AGENT_VERSION, Agent
+    from ._settings import ENV_PREFIX, AgentSettings, HookSpec, parse_settings
 
 __all__ = ["AGENT_VERSION", "ENV_PREFIX", "Agent", "AgentSettings", "HookSpec", "parse_settings"]
+
+# Loaded on first use, so that ``python -m publisher.simulator`` does not import the agent.
+_HOME = {
+    "AGENT_VERSION": "._agent",
+    "Agent": "._agent",
+    "ENV_PREFIX": "._settings",
+    "AgentSettings": "._settings",
+    "HookSpec": "._settings",
+    "parse_settings": "._settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'publisher' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value

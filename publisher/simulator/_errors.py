@@ -1,19 +1,24 @@
-"""The simulator's exceptions: one root, with the builtin mix-in that matches each meaning.
+"""The simulator's exceptions, under the project's root (:class:`schemas.RelayError`), with the
+builtin mix-in that matches each meaning.
 
 ::
 
-    SimulatorError
-    ├── ConfigError(ValueError)          a bad setting: speed, rate limit, CLI flag
-    ├── UnknownVmError(LookupError)      no VM by that name
-    ├── DuplicateVmError(ValueError)     a VM by that name exists already
-    ├── InvalidVmNameError(ValueError)   a name that cannot be a VM's (or a URL segment)
-    ├── UnknownEventError(LookupError)   no event by that id (or not listed for that VM)
-    ├── InvalidEventError(ValueError)    an event that cannot be created (unknown VMs, id taken)
-    ├── EventStateError(ValueError)      a step its state forbids (cancel a Started one)
-    └── ScenarioError(ValueError)        a scenario file that does not load or validate
+    RelayError
+    └── SimulatorError
+        ├── ConfigError(schemas.ConfigError)  a bad setting: speed, rate limit, CLI flag
+        ├── UnknownVmError(LookupError)       no VM by that name
+        ├── DuplicateVmError(ValueError)      a VM by that name exists already
+        ├── InvalidVmNameError(ValueError)    a name that cannot be a VM's (or a URL segment)
+        ├── UnknownEventError(LookupError)    no event by that id (or not listed for that VM)
+        ├── InvalidEventError(ValueError)     an event that cannot be created
+        ├── EventStateError(ValueError)       a step its state forbids (cancel a Started one)
+        └── ScenarioError(ValueError)         a scenario file that does not load or validate
 """
 
 from __future__ import annotations
+
+from schemas import ConfigError as RelayConfigError
+from schemas import RelayError
 
 __all__ = [
     "ConfigError",
@@ -29,11 +34,11 @@ __all__ = [
 ]
 
 
-class SimulatorError(Exception):
+class SimulatorError(RelayError):
     """Root of every error the simulator raises on purpose."""
 
 
-class ConfigError(SimulatorError, ValueError):
+class ConfigError(SimulatorError, RelayConfigError):
     """A setting is out of range or malformed."""
 
 
