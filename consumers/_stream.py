@@ -19,19 +19,26 @@ the group's queue between them (``exclusive=True``: one active consumer at a tim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 from schemas import (
+    AgentMessage,
+    ApprovalOutcomeMessage,
+    HookResultMessage,
     LifecycleMessage,
     MessageType,
     SchemaError,
+    TransitionMessage,
+    TransportError,
     UnknownMessageType,
     VersionMismatch,
     decode,
@@ -66,6 +73,31 @@ class DeadLetterReason(StrEnum):
     HANDLER_FAILED = "handler-failed"
 
 
+_TYPE = re.compile(rb'"type"\s*:\s*"([^"]{1,200})"')
+_ENVELOPE_OF: dict[bytes, type[Any]] = {
+    kind.cloudevents_type.encode(): envelope
+    for envelope in (TransitionMessage, ApprovalOutcomeMessage, AgentMessage, HookResultMessage)
+    for kind in envelope.kinds
+}
+
+
+def fast_decode(raw: bytes) -> LifecycleMessage:
+    """:func:`schemas.decode`, in one pass of pydantic's own JSON parser when the ``type`` can
+    be read off the bytes. The envelope validates everything ``decode`` checks (specversion,
+    schemaversion, type), so a success is the same message; on any doubt ``decode`` decides
+    (and says what is wrong)."""
+    match = _TYPE.search(raw)
+    envelope = _ENVELOPE_OF.get(match.group(1)) if match is not None else None
+    if envelope is not None:
+        try:
+            message: LifecycleMessage = envelope.model_validate_json(raw)
+        except ValueError:
+            pass
+        else:
+            return message
+    return decode(raw)
+
+
 def classify_bad_input(raw: bytes, error: SchemaError) -> DeadLetterReason:
     """Why ``raw`` could not be decoded. Runs only on the failure path, so it may parse again."""
     if isinstance(error, VersionMismatch):
@@ -90,6 +122,26 @@ def _is_newer_minor_type(error: UnknownMessageType, raw: bytes) -> bool:
     return isinstance(type_, str) and type_.startswith(TYPE_PREFIX + ".")
 
 
+@runtime_checkable
+class _AcksThrough(Protocol):
+    """A delivery that can ack itself and every earlier one in one go (RabbitMQ's
+    ``multiple`` ack); the stream then acks handled messages in batches."""
+
+    async def ack_through(self) -> None: ...
+
+
+_ACKS_THROUGH: dict[type, bool] = {}
+
+
+def _acks_through(delivery: Delivery) -> bool:
+    """``isinstance(delivery, _AcksThrough)``, remembered per class (a Protocol check is slow)."""
+    kind = type(delivery)
+    known = _ACKS_THROUGH.get(kind)
+    if known is None:
+        known = _ACKS_THROUGH[kind] = isinstance(delivery, _AcksThrough)
+    return known
+
+
 @dataclass(slots=True)
 class StreamStats:
     """What the stream did with what it received (for logs, metrics and tests)."""
@@ -107,6 +159,7 @@ class StreamStats:
 class _Route:
     filter: MessageFilter
     handler: Handler
+    all: bool
 
 
 class FleetStream:
@@ -133,17 +186,25 @@ class FleetStream:
         max_attempts: int = 5,
         dedupe: DedupeWindow | None = None,
         retry_delay: float = 0.05,
+        ack_batch: int = 128,
+        ack_interval: float = 0.02,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.transport = transport
         self.group = group
         self.filter = filter or MessageFilter()
+        self._all = self.filter.matches_all
         self.prefetch = prefetch
         self.exclusive = exclusive
         self.max_attempts = max_attempts
         self.dedupe = dedupe if dedupe is not None else DedupeWindow()
         self.retry_delay = retry_delay
+        # Where the transport can ack many deliveries in one frame, handled messages are acked
+        # in batches of up to ack_batch, at the latest ack_interval seconds after handling.
+        self.ack_batch = max(1, min(ack_batch, prefetch // 2 or 1))
+        self.ack_interval = ack_interval
+        self._unacked: list[Delivery] = []
         self.stats = StreamStats()
         self._routes: list[_Route] = []
         self._subscription: Subscription | None = None
@@ -174,13 +235,14 @@ class FleetStream:
         )
 
         def register(handler: H) -> H:
-            self._routes.append(_Route(route_filter, handler))
+            self._routes.append(_Route(route_filter, handler, route_filter.matches_all))
             return handler
 
         return register
 
     def add_handler(self, handler: Handler, filter: MessageFilter | None = None) -> None:
-        self._routes.append(_Route(filter or MessageFilter(), handler))
+        chosen = filter or MessageFilter()
+        self._routes.append(_Route(chosen, handler, chosen.matches_all))
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -261,6 +323,7 @@ class FleetStream:
         self._stopping = False
         await self.open()
         assert self._iterator is not None
+        flusher = asyncio.create_task(self._flush_regularly())
         try:
             while not self._stopping:
                 self._waiting = True
@@ -275,28 +338,33 @@ class FleetStream:
                     raise
                 finally:
                     self._waiting = False
-                await self.process(delivery)
+                await self.process(delivery, batch=True)
         finally:
             self._run_task = None
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            await self._flush()
             await self.close(handled=False)
 
-    async def process(self, delivery: Delivery) -> None:
-        """Parse, dedupe, filter, dispatch and settle one delivery."""
+    async def process(self, delivery: Delivery, *, batch: bool = False) -> None:
+        """Parse, dedupe, filter, dispatch and settle one delivery (``batch``: the ack may wait
+        for the batch, see ``ack_batch``)."""
         message = await self._admit(delivery)
         if message is None:
             return
-        if not self.filter.matches(message):
+        if not self._all and not self.filter.matches(message):
             self.stats.filtered += 1
             await delivery.ack()
             return
         try:
             for route in self._routes:
-                if route.filter.matches_all or route.filter.matches(message):
+                if route.all or route.filter.matches(message):
                     await route.handler(message)
         except Exception as exc:  # a handler's failure: retried, then dead-lettered
             await self._failed(delivery, message, exc)
             return
-        await self._done(delivery, message)
+        await self._done(delivery, message, batch=batch)
 
     # ------------------------------------------------------------------------------ settling
 
@@ -305,7 +373,7 @@ class FleetStream:
         self.stats.received += 1
         body = delivery.body
         try:
-            message = decode(body)
+            message = fast_decode(body)
         except SchemaError as exc:
             if isinstance(exc, UnknownMessageType) and _is_newer_minor_type(exc, body):
                 self.stats.skipped_unknown += 1
@@ -337,10 +405,37 @@ class FleetStream:
             return None
         return message
 
-    async def _done(self, delivery: Delivery, message: LifecycleMessage) -> None:
+    async def _done(
+        self, delivery: Delivery, message: LifecycleMessage, *, batch: bool = False
+    ) -> None:
         self.dedupe.add(message.id)
         self.stats.handled += 1
+        if batch and self.ack_batch > 1 and _acks_through(delivery):
+            self._unacked.append(delivery)
+            if len(self._unacked) >= self.ack_batch:
+                await self._flush()
+            return
         await delivery.ack()
+
+    async def _flush(self) -> None:
+        """Ack every handled delivery waiting for its batch, in one frame."""
+        if not self._unacked:
+            return
+        batch, self._unacked = self._unacked, []
+        last = batch[-1]
+        assert isinstance(last, _AcksThrough)
+        try:
+            await last.ack_through()
+        except TransportError as exc:
+            # The link went: the broker delivers them again, and the dedupe window drops them.
+            log.warning(
+                "group %s: acking %d handled messages failed: %s", self.group, len(batch), exc
+            )
+
+    async def _flush_regularly(self) -> None:
+        while True:
+            await asyncio.sleep(self.ack_interval)
+            await self._flush()
 
     async def _failed(
         self, delivery: Delivery, message: LifecycleMessage, error: BaseException | None

@@ -1,0 +1,229 @@
+"""Consumer throughput on the real RabbitMQ: messages per second through parse, dedupe, handler
+and ack, for the consumers' FleetStream against a naive aio-pika consumer (manual ack per
+message, pydantic parse), in the same run, on the same queue contents.
+
+Every consumer group gets its own copy of the stream, so one publish fills every queue with the
+same messages (transitions and heartbeats of a fleet, 5 % of them repeated as an agent does after
+a restart). Each consumer then drains its own queue; the figure is messages / wall seconds from
+the first message to the last ack.
+
+    python tests/benchmarks/consumer_throughput.py [--messages 20000] [--prefetch 256]
+
+Prints figures; asserts nothing (a benchmark, not a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import aio_pika
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+
+from consumers import FleetStream
+from schemas import (
+    AgentData,
+    AgentMessage,
+    ChannelNames,
+    LifecycleMessage,
+    MessageType,
+    ReplyAddress,
+    ScheduledEvent,
+    Transition,
+    TransitionKind,
+    TransitionMessage,
+    VmIdentity,
+    decode,
+)
+from schemas.transport import open_transport
+from schemas.transport.rabbitmq import RabbitMQTransport
+from schemas.wire import lifecycle_message
+
+URL = os.environ.get("RELAY_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+def fleet_messages(count: int) -> list[LifecycleMessage]:
+    """Realistic traffic: per VM an event scheduled, started, completed, and heartbeats."""
+    rng = random.Random(7)
+    start = datetime(2025, 1, 6, tzinfo=UTC)
+    out: list[LifecycleMessage] = []
+    vm_index = 0
+    while len(out) < count:
+        name = f"web_{vm_index}"
+        vm = VmIdentity(
+            name=name,
+            resource_group="rg",
+            scale_set="web",
+            zone="1",
+            fault_domain=vm_index % 3,
+            resource_id=f"/vm/{name}",
+        )
+        reply = ReplyAddress(channel="scheduled-events.approvals", key=name)
+        event_id = str(uuid.UUID(int=rng.getrandbits(128)))
+        base = {
+            "EventId": event_id,
+            "EventType": "Freeze",
+            "ResourceType": "VirtualMachine",
+            "Resources": [name],
+            "Description": "Live migration",
+            "EventSource": "Platform",
+            "DurationInSeconds": 5,
+        }
+        scheduled = ScheduledEvent.from_imds(
+            base | {"EventStatus": "Scheduled", "NotBefore": "Mon, 06 Jan 2025 00:15:00 GMT"}
+        )
+        started = ScheduledEvent.from_imds(base | {"EventStatus": "Started", "NotBefore": ""})
+        moment = start + timedelta(seconds=vm_index)
+        for kind, event, previous in (
+            (TransitionKind.SCHEDULED, scheduled, None),
+            (TransitionKind.STARTED, started, "Scheduled"),
+            (TransitionKind.COMPLETED, started, "Started"),
+        ):
+            out.append(
+                TransitionMessage.build(
+                    Transition(kind, event, previous, 1), vm=vm, reply_to=reply, observed_at=moment
+                )
+            )
+        out.append(
+            AgentMessage.build(
+                MessageType.AGENT_HEARTBEAT,
+                AgentData(vm=vm, agent_version="0.1.0", reply_to=reply, document_incarnation=3),
+                observed_at=moment,
+                instance="bench",
+            )
+        )
+        vm_index += 1
+    out = out[:count]
+    repeats = rng.sample(out, count // 20)  # an agent's replays after a restart
+    return out + repeats
+
+
+async def fill(transport: RabbitMQTransport, messages: list[LifecycleMessage]) -> None:
+    wire = [lifecycle_message(m) for m in messages]
+    for offset in range(0, len(wire), 500):
+        await asyncio.gather(*(transport.publish(w) for w in wire[offset : offset + 500]))
+
+
+async def wait_depth(url: str, queue: str, depth: int) -> None:
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        async with asyncio.timeout(120):
+            while True:
+                declared = await channel.declare_queue(queue, passive=True)
+                if (declared.declaration_result.message_count or 0) >= depth:
+                    return
+                await asyncio.sleep(0.2)
+    finally:
+        await connection.close()
+
+
+async def naive(url: str, queue: str, total: int, prefetch: int) -> float:
+    """The consumer a team writes first: iterate, parse with pydantic, handle, ack each one."""
+    handled: set[str] = set()
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=prefetch)
+        declared = await channel.declare_queue(queue, passive=True)
+        count = 0
+        started = 0.0
+        async with declared.iterator() as messages:
+            async for message in messages:
+                if count == 0:
+                    started = time.perf_counter()
+                parsed = decode(message.body)
+                handled.add(parsed.id)
+                await message.ack()
+                count += 1
+                if count == total:
+                    break
+        return total / (time.perf_counter() - started)
+    finally:
+        await connection.close()
+
+
+async def stream(
+    url: str, channels: ChannelNames, group: str, total: int, prefetch: int, distinct: int
+) -> tuple[float, dict[str, int]]:
+    handled: set[str] = set()
+    async with open_transport(url, channels) as transport:
+        fleet = FleetStream(transport, group, prefetch=prefetch)
+        started = 0.0
+
+        @fleet.on()
+        async def handle(message: LifecycleMessage) -> None:
+            nonlocal started
+            if not handled:
+                started = time.perf_counter()
+            handled.add(message.id)
+
+        @fleet.on(MessageType.AGENT_HEARTBEAT)
+        async def done(message: LifecycleMessage) -> None:
+            pass
+
+        async def stopper() -> None:
+            while fleet.stats.received < total:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+            fleet.stop()
+
+        async with asyncio.TaskGroup() as group_:
+            group_.create_task(stopper())
+            await fleet.run()
+        elapsed = time.perf_counter() - started
+        stats = {"handled": fleet.stats.handled, "duplicates": fleet.stats.duplicates}
+        assert len(handled) == distinct, (len(handled), distinct)
+        return total / elapsed, stats
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--prefetch", type=int, default=256)
+    args = parser.parse_args()
+    channels = ChannelNames().suffixed(f"bench-{uuid.uuid4().hex[:8]}")
+    messages = fleet_messages(args.messages)
+    total = len(messages)
+    distinct = len({m.id for m in messages})
+    groups = ["naive", "naive-p1", "stream"]
+    transport = open_transport(URL, channels)
+    assert isinstance(transport, RabbitMQTransport)
+    async with transport:
+        for group in groups:
+            await transport.declare_group(group)
+        try:
+            t0 = time.perf_counter()
+            await fill(transport, messages)
+            for group in groups:
+                await wait_depth(URL, transport.group_queue(group), total)
+            print(
+                f"{total} messages ({distinct} distinct, {total - distinct} repeats) in "
+                f"{len(groups)} queues, published in {time.perf_counter() - t0:.1f} s"
+            )
+            naive_rate = await naive(URL, transport.group_queue("naive"), total, args.prefetch)
+            print(f"naive aio-pika, prefetch {args.prefetch:<4}  {naive_rate:9.0f} msg/s")
+            naive1 = await naive(URL, transport.group_queue("naive-p1"), total, 1)
+            print(f"naive aio-pika, prefetch 1     {naive1:9.0f} msg/s")
+            rate, stats = await stream(URL, channels, "stream", total, args.prefetch, distinct)
+            print(
+                f"FleetStream, prefetch {args.prefetch:<4}     {rate:9.0f} msg/s  "
+                f"({stats['handled']} handled, {stats['duplicates']} repeats dropped)"
+            )
+            print(
+                f"FleetStream / naive (same prefetch): {rate / naive_rate:.2f}x; "
+                f"/ naive prefetch 1: {rate / naive1:.2f}x"
+            )
+        finally:
+            await transport.delete_topology(groups=groups, exchanges=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
