@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -401,7 +402,12 @@ class ServiceBusTransport:
                 f"message {message.message_id} has {len(message.body)} bytes; Service Bus "
                 f"Standard takes at most {MAX_MESSAGE_BYTES}"
             )
-        ttl = None if message.ttl_seconds is None else timedelta(seconds=message.ttl_seconds)
+        # The SDK sends whole seconds (a TTL under 1 s would mean "never expires"): round up.
+        ttl = (
+            None
+            if message.ttl_seconds is None
+            else timedelta(seconds=max(1, math.ceil(message.ttl_seconds)))
+        )
         return ServiceBusMessage(
             message.body,
             message_id=message.message_id,

@@ -215,10 +215,10 @@ async def test_an_expired_approval_is_not_delivered(backend: Backend) -> None:
         async with transport.approvals(vm) as inbox:
             await inbox.close()  # the queue exists; the agent is away
         await transport.send_approval(
-            transport.reply_address(vm), outgoing("stale", routing_key=vm, ttl_seconds=0.2)
+            transport.reply_address(vm), outgoing("stale", routing_key=vm, ttl_seconds=1.0)
         )
         fresh = outgoing("fresh", routing_key=vm, ttl_seconds=60)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.5)  # Service Bus expires messages in whole seconds
         await transport.send_approval(transport.reply_address(vm), fresh)
         async with transport.approvals(vm) as inbox:
             got = await receive(inbox)
