@@ -114,6 +114,14 @@ async def main() -> None:
         default=os.environ.get("RELAY_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
     )
     parser.add_argument("--idle-seconds", type=float, default=300.0)
+    parser.add_argument(
+        "--agent-python",
+        default=sys.executable,
+        help="the interpreter that runs the agent: for the RSS a VM sees, one of a venv with "
+        "only the agent's backend installed (python3 -m venv /tmp/agent && /tmp/agent/bin/pip "
+        "install '.[rabbitmq]'); default: this interpreter, whose dev extras add modules "
+        "(click, pygments) that httpx imports when present",
+    )
     parser.add_argument("--events", type=int, default=40)
     parser.add_argument("--poll-interval", type=float, default=1.0)
     args = parser.parse_args()
@@ -153,7 +161,7 @@ async def main() -> None:
                 state = stack.enter_context(_tempdir())
                 consumer_task = asyncio.create_task(consume())
                 agent = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "publisher",
+                    args.agent_python, "-m", "publisher",
                     "--imds-url", server.vm_url(vm),
                     "--broker", args.amqp_url,
                     "--channel-suffix", suffix,
@@ -175,7 +183,7 @@ async def main() -> None:
                     await asyncio.wait_for(online.wait(), 30)
                     await asyncio.sleep(2)  # past start-up
                     meters = [Meter(agent.pid), Meter(baseline.pid)]
-                    loaded = _backends_loaded(args.amqp_url)
+                    loaded = _backends_loaded(args.amqp_url, args.agent_python)
                     print(f"idle window: {args.idle_seconds:.0f} s ...", flush=True)
                     for meter in meters:
                         meter.start()
@@ -250,7 +258,7 @@ async def main() -> None:
         )
 
 
-def _backends_loaded(url: str) -> list[str]:
+def _backends_loaded(url: str, python: str) -> list[str]:
     """Which optional packages the agent's code path imports for ``url`` (another process's
     modules cannot be listed, so this repeats the agent's imports in a fresh interpreter)."""
     import subprocess
@@ -261,9 +269,7 @@ def _backends_loaded(url: str) -> list[str]:
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules} & "
         "{'aio_pika', 'azure', 'starlette', 'uvicorn', 'asyncpg'})))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     return out.stdout.split()
 
 
