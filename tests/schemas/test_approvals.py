@@ -30,15 +30,15 @@ NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 
 
 @pytest.fixture
-def key():  # type: ignore[no-untyped-def]
+def key():
     return generate_signing_key()
 
 
-def _trusted(*keys):  # type: ignore[no-untyped-def]
+def _trusted(*keys):
     return {key_id(k.public_key()): k.public_key() for k in keys}
 
 
-def test_a_signed_approval_verifies_after_a_round_trip_through_json(key) -> None:  # type: ignore[no-untyped-def]
+def test_a_signed_approval_verifies_after_a_round_trip_through_json(key) -> None:
     approval = sign(new_approval("EVT", "web-7", decided_by="policy", now=NOW), key)
     received = Approval.from_bytes(approval.to_bytes())
     verify(received, _trusted(key), vm_name="web-7", now=NOW + timedelta(minutes=1))
@@ -88,7 +88,7 @@ def test_the_golden_approval_verifies_with_its_test_key() -> None:
         "other-vm",
     ],
 )
-def test_each_failure_is_rejected_with_its_own_reason(key, tamper, reason) -> None:  # type: ignore[no-untyped-def]
+def test_each_failure_is_rejected_with_its_own_reason(key, tamper, reason) -> None:
     approval = sign(new_approval("EVT", "web-7", decided_by="policy", now=NOW), key)
     with pytest.raises(ApprovalRejected) as caught:
         verify(
@@ -97,7 +97,7 @@ def test_each_failure_is_rejected_with_its_own_reason(key, tamper, reason) -> No
     assert caught.value.reason is reason
 
 
-def test_the_canonical_encoding_does_not_depend_on_the_senders_time_zone(key) -> None:  # type: ignore[no-untyped-def]
+def test_the_canonical_encoding_does_not_depend_on_the_senders_time_zone(key) -> None:
     approval = new_approval("EVT", "web-7", decided_by="policy", now=NOW)
     shifted = approval.model_copy(
         update={"issued_at": approval.issued_at.astimezone(datetime.now().astimezone().tzinfo)}

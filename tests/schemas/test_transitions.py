@@ -170,7 +170,9 @@ def test_no_transition_without_a_change_and_replay_emits_nothing(
             assert transitions == []
         assert diff(document, document) == []
         # a transition exists exactly for each event whose state differs from before
-        before = {} if previous is None else {e.event_id: e.to_imds() for e in previous.events}
+        before: dict[str, object] = (
+            {} if previous is None else {e.event_id: e.to_imds() for e in previous.events}
+        )
         after = {e.event_id: e.to_imds() for e in document.events}
         changed = {i for i in before.keys() | after.keys() if before.get(i) != after.get(i)}
         assert {t.event.event_id for t in transitions} == changed
