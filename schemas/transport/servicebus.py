@@ -5,7 +5,11 @@ lifecycle stream                          topic ``scheduled-events``; ``message_
                                           CloudEvent id (duplicate detection drops repeats);
                                           ``subject`` = the routing key; CloudEvents
                                           attributes as application properties
-consumer group ``G``                      the topic's subscription ``G``
+consumer group ``G``                      the topic's subscription ``G``; a group read by
+                                          one consumer at a time, in order (``exclusive``),
+                                          is a session-enabled subscription: every
+                                          lifecycle message has the session id
+                                          ``scheduled-events``
 approvals                                 session-enabled queue ``scheduled-events-approvals``,
                                           ``session_id`` = the VM name (case-folded): each
                                           agent holds its own session, so it only ever
@@ -84,6 +88,10 @@ SESSION_RENEWAL_SECONDS = 24 * 3600.0
 MESSAGE_RENEWAL_SECONDS = 300.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 15.0
 CLOSE_TIMEOUT = 10.0
+#: How often a standby receiver asks for a session another receiver holds.
+STANDBY_SECONDS = 1.0
+#: The session id of every lifecycle message (see :meth:`ServiceBusTransport.publish`).
+STREAM_SESSION = "scheduled-events"
 CONNECT_TIMEOUT = 15.0
 #: The SDK's own retries of one operation; above it the agent's outbox and the consumers'
 #: receive loops retry for as long as it takes, so a short ladder here keeps failures visible.
@@ -221,8 +229,11 @@ class _ServiceBusSubscription:
             batch = await self._receiver.receive_messages(
                 max_message_count=self._prefetch, max_wait_time=RECEIVE_WAIT_SECONDS
             )
-        except SessionCannotBeLockedError as exc:
-            await self._backoff(f"the session on {self._entity} is held by another receiver", exc)
+        except SessionCannotBeLockedError:
+            # Another process holds the session: stand by, and take over soon after it goes.
+            log.debug("the session on %s is held by another receiver; standing by", self._entity)
+            await self._drop_receiver()
+            await asyncio.sleep(STANDBY_SECONDS * random.uniform(0.8, 1.2))
             return
         except MessagingEntityNotFoundError as exc:
             await self._drop_receiver()
@@ -437,7 +448,10 @@ class ServiceBusTransport:
             raise error from exc
 
     async def publish(self, message: OutgoingMessage) -> None:
-        await self._send(self.channels.events_topic, self._message(message), topic=True)
+        # Every lifecycle message carries one session id: a plain subscription ignores it, a
+        # session-enabled one hands the whole stream, in order, to one receiver at a time.
+        message_ = self._message(message, session_id=STREAM_SESSION)
+        await self._send(self.channels.events_topic, message_, topic=True)
 
     async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
         if to.channel != self.channels.approvals_queue:
@@ -451,23 +465,16 @@ class ServiceBusTransport:
     async def declare_group(self, group: str, *, exclusive: bool | None = None) -> None:
         """Service Bus subscriptions are created by the operator (no AMQP call creates one):
         check that the group's subscription exists, so a missing one is found at start."""
-        self._check_exclusive(exclusive)
         client = self._require()
-        receiver = client.get_subscription_receiver(self.channels.events_topic, group)
+        receiver = client.get_subscription_receiver(
+            self.channels.events_topic, group, session_id=STREAM_SESSION if exclusive else None
+        )
         entity = f"{self.channels.events_topic}/Subscriptions/{group}"
         try:
             async with receiver:
                 await receiver.peek_messages(max_message_count=1)
         except ServiceBusError as exc:
             raise _entity_error(exc, entity) from exc
-
-    @staticmethod
-    def _check_exclusive(exclusive: bool | None) -> None:
-        if exclusive:
-            raise ConfigError(
-                "Service Bus has no single-active consumer on a subscription; run one "
-                "consumer process for a group whose order matters"
-            )
 
     def _open(
         self, factory: Callable[[ServiceBusClient], ServiceBusReceiver], entity: str, prefetch: int
@@ -480,8 +487,18 @@ class ServiceBusTransport:
     def subscribe(
         self, group: str, *, prefetch: int = 64, exclusive: bool = False
     ) -> _ServiceBusSubscription:
-        self._check_exclusive(exclusive)
         topic = self.channels.events_topic
+        if exclusive:
+            # One active consumer at a time, in order: the session-enabled subscription's one
+            # session is locked by one receiver; the others wait until it is free.
+            renewer = self._session_renewer()
+            return self._open(
+                lambda client: client.get_subscription_receiver(
+                    topic, group, session_id=STREAM_SESSION, auto_lock_renewer=renewer
+                ),
+                f"{topic}/Subscriptions/{group} (session-enabled)",
+                prefetch,
+            )
         return self._open(
             lambda client: client.get_subscription_receiver(
                 topic, group, auto_lock_renewer=self._renewer
@@ -490,10 +507,14 @@ class ServiceBusTransport:
             prefetch,
         )
 
+    def _session_renewer(self) -> AutoLockRenewer:
+        renewer = AutoLockRenewer(max_lock_renewal_duration=SESSION_RENEWAL_SECONDS)
+        self._session_renewers.append(renewer)
+        return renewer
+
     def approvals(self, vm: str, *, prefetch: int = 8) -> _ServiceBusSubscription:
         queue = self.channels.approvals_queue
-        session_renewer = AutoLockRenewer(max_lock_renewal_duration=SESSION_RENEWAL_SECONDS)
-        self._session_renewers.append(session_renewer)
+        session_renewer = self._session_renewer()
         return self._open(
             lambda client: client.get_queue_receiver(
                 queue,

@@ -35,9 +35,6 @@ class Backend:
     #: An approval to a VM that never declared its queue raises PublishNotConfirmed (RabbitMQ:
     #: mandatory + unroutable); elsewhere it waits for the VM.
     unroutable_approval_raises: bool = False
-    #: One active consumer at a time per group (RabbitMQ single-active-consumer); Service Bus
-    #: has none on a subscription and says so with a ConfigError.
-    single_active_consumer: bool = True
     groups: set[str] = field(default_factory=set)
     vms: set[str] = field(default_factory=set)
 
@@ -97,8 +94,10 @@ async def rabbitmq_backend(request: pytest.FixtureRequest, unique: str) -> Async
 
 
 #: The consumer groups the contract suite reads; on Service Bus an operator creates the
-#: subscriptions beforehand, so the double declares these.
-SERVICEBUS_GROUPS = ("audit", "fleet", "approver", "policy", "ordered")
+#: subscriptions beforehand, so the double declares these ("ordered", read by one consumer at
+#: a time, is session-enabled).
+SERVICEBUS_GROUPS = ("audit", "fleet", "approver", "policy")
+SERVICEBUS_ORDERED_GROUPS = ("ordered",)
 
 
 @contextlib.asynccontextmanager
@@ -110,6 +109,7 @@ async def servicebus_backend(request: pytest.FixtureRequest, unique: str) -> Asy
     double = ServiceBusDouble(
         session_queues=[channels.approvals_queue],
         topics={channels.events_topic: SERVICEBUS_GROUPS},
+        session_topics={channels.events_topic: SERVICEBUS_ORDERED_GROUPS},
         options=EntityOptions(lock_duration=5.0, max_delivery_count=10),
     )
     with double:
@@ -122,7 +122,6 @@ async def servicebus_backend(request: pytest.FixtureRequest, unique: str) -> Asy
             channels,
             lambda: ServiceBusTransport(double.connection_string, channels),
             unreachable=lambda: ServiceBusTransport(unreachable, channels),
-            single_active_consumer=False,
         )
 
 
@@ -132,7 +131,8 @@ async def servicebus_live_backend(
 ) -> AsyncIterator[Backend]:
     """The same suite against the official emulator or a real namespace, when
     ``SERVICEBUS_CONNECTION_STRING`` names one. Its entities keep the default names (topic
-    ``scheduled-events`` with the subscriptions in :data:`SERVICEBUS_GROUPS`, session queue
+    ``scheduled-events`` with the subscriptions in :data:`SERVICEBUS_GROUPS` and the
+    session-enabled ones in :data:`SERVICEBUS_ORDERED_GROUPS`, session queue
     ``scheduled-events-approvals``): create them first, as the README shows."""
     import os
 
@@ -149,7 +149,6 @@ async def servicebus_live_backend(
         "servicebus-live",
         DEFAULT_CHANNELS,
         lambda: ServiceBusTransport(connection_string, DEFAULT_CHANNELS),
-        single_active_consumer=False,
     )
 
 

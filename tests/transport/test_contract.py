@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from schemas import ConfigError, PublishNotConfirmed, TransportError
+from schemas import PublishNotConfirmed, TransportError
 from schemas.transport import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON, Transport
 
 from ._helpers import assert_nothing, outgoing, receive
@@ -228,11 +228,6 @@ async def test_an_expired_approval_is_not_delivered(backend: Backend) -> None:
 
 async def test_an_exclusive_consumer_waits_for_the_active_one(backend: Backend) -> None:
     group = backend.group("ordered")
-    if not backend.single_active_consumer:
-        async with backend.transport() as transport:
-            with pytest.raises(ConfigError, match="single-active"):
-                transport.subscribe(group, exclusive=True)
-        return
     async with asyncio.timeout(BOUND), backend.transport() as one, backend.transport() as two:
         active = one.subscribe(group, exclusive=True)
         async with active:
