@@ -12,8 +12,15 @@ import pytest
 
 from consumers._approver import ApproverService, Decision
 from publisher import Agent, AgentSettings
-from publisher.simulator import EventSource, EventSpec, EventState, EventType, Simulator
-from publisher.simulator import SimulatorConfig, serve
+from publisher.simulator import (
+    EventSource,
+    EventSpec,
+    EventState,
+    EventType,
+    Simulator,
+    SimulatorConfig,
+    serve,
+)
 from schemas import ChannelNames, load_signing_key
 from schemas.approvals import write_key_pair
 from schemas.transport import open_transport
@@ -112,4 +119,5 @@ async def test_agents_and_the_approver_over_service_bus_start_events_early(tmp_p
     assert approved == {freeze.event_id, reboot.event_id}
     # The approver saw each VM's outcome come back on the stream.
     view = approver.fleet.event(freeze.event_id)
-    assert view is not None and view.approved
+    assert view is not None
+    assert view.approved
