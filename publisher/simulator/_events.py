@@ -24,6 +24,9 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The contract's names for what IMDS shows; the simulator adds the admin API's EventState.
+from schemas.imds import EventSource, EventStatus, EventType
+
 __all__ = [
     "DEFAULT_NOTICE_SECONDS",
     "Approval",
@@ -38,21 +41,6 @@ __all__ = [
 ]
 
 
-class EventType(StrEnum):
-    FREEZE = "Freeze"
-    REBOOT = "Reboot"
-    REDEPLOY = "Redeploy"
-    PREEMPT = "Preempt"
-    TERMINATE = "Terminate"
-
-
-class EventStatus(StrEnum):
-    """What IMDS shows in ``EventStatus``: there is no Completed there."""
-
-    SCHEDULED = "Scheduled"
-    STARTED = "Started"
-
-
 class EventState(StrEnum):
     """Where an event is in its life, as the admin API tells it."""
 
@@ -60,11 +48,6 @@ class EventState(StrEnum):
     STARTED = "Started"
     COMPLETED = "Completed"
     CANCELED = "Canceled"
-
-
-class EventSource(StrEnum):
-    PLATFORM = "Platform"
-    USER = "User"
 
 
 DEFAULT_NOTICE_SECONDS: dict[EventType, float] = {
