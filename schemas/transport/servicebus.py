@@ -472,7 +472,14 @@ class ServiceBusTransport:
         entity = f"{self.channels.events_topic}/Subscriptions/{group}"
         try:
             async with receiver:
-                await receiver.peek_messages(max_message_count=1)
+                # The link reports a missing entity at the first receive. A message taken by
+                # this check goes straight back (its delivery count grows by one).
+                for message in await receiver.receive_messages(
+                    max_message_count=1, max_wait_time=0.5
+                ):
+                    await receiver.abandon_message(message)
+        except SessionCannotBeLockedError:
+            return  # it exists, and another consumer holds it
         except ServiceBusError as exc:
             raise _entity_error(exc, entity) from exc
 
