@@ -133,7 +133,8 @@ async def _tail(args: argparse.Namespace) -> int:
         vm=args.vm or None,
     )
     async with open_transport(url, _channels(args)) as transport:
-        stream = FleetStream(transport, args.group or "tail", filter=wanted)
+        # Transient: what tail reads goes away with it (a durable group would keep collecting).
+        stream = FleetStream(transport, args.group or "tail", filter=wanted, transient=True)
 
         async def show() -> None:
             async with stream:
@@ -279,11 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     tail = commands.add_parser(
         "tail",
         help="the live stream, one line per message",
-        description="Print the live "
-        "lifecycle stream, one readable line per message (group 'tail').",
+        description="Print the live lifecycle stream, one readable line per message, from the "
+        "moment it starts. It reads a transient copy of the stream (RabbitMQ: an exclusive "
+        "auto-delete queue named after --group) that the broker drops when tail stops; on "
+        "Service Bus it reads the subscription --group, which the operator creates with "
+        "AutoDeleteOnIdle.",
     )
     _broker_options(tail)
-    _group_option(tail, "tail")
+    tail.add_argument(
+        "--group",
+        metavar="NAME",
+        help="names the transient copy of the stream (default: tail); every tail sees every "
+        "message (Service Bus: the subscription to read)",
+    )
     tail.add_argument("--type", action="append", metavar="TYPE", help="only this message type")
     tail.add_argument("--event-type", action="append", metavar="T", help="only this EventType")
     tail.add_argument("--vm", action="append", metavar="NAME", help="only from this VM")

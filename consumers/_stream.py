@@ -167,6 +167,9 @@ class FleetStream:
 
     ``max_attempts``: how many times a handler may fail on one message before it is
     dead-lettered (``handler-failed``). ``dedupe``: the window of ids already handled.
+    ``transient``: read a copy of the stream that exists only while this stream is open (see
+    :meth:`~schemas.transport.Transport.subscribe`), for a viewer that must leave nothing
+    behind; a durable group keeps collecting messages after its last consumer stops.
 
     Bad input never stops the stream: a message that is not JSON, not a CloudEvent, of another
     major version or invalid is dead-lettered with its reason. A well-formed message of *our*
@@ -188,6 +191,7 @@ class FleetStream:
         retry_delay: float = 0.05,
         ack_batch: int = 128,
         ack_interval: float = 0.02,
+        transient: bool = False,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -197,6 +201,7 @@ class FleetStream:
         self._all = self.filter.matches_all
         self.prefetch = prefetch
         self.exclusive = exclusive
+        self.transient = transient
         self.max_attempts = max_attempts
         self.dedupe = dedupe if dedupe is not None else DedupeWindow()
         self.retry_delay = retry_delay
@@ -251,7 +256,10 @@ class FleetStream:
             # subscribe() declares the group's queue with the right exclusivity (declaring it
             # first with declare_group would fix it as shared on RabbitMQ).
             self._subscription = self.transport.subscribe(
-                self.group, prefetch=self.prefetch, exclusive=self.exclusive
+                self.group,
+                prefetch=self.prefetch,
+                exclusive=self.exclusive,
+                transient=self.transient,
             )
             self._iterator = aiter(self._subscription)
             start = getattr(self._subscription, "start", None)

@@ -2,8 +2,15 @@
 
 A subscription owns its channel, so its prefetch is its own and closing it hands every message
 it had not settled back to the queue (the broker requeues a closed channel's unacked messages).
-After a reconnect the robust channel consumes again; messages buffered from the lost channel
-are dropped here, since the broker delivers them again.
+
+It consumes on the robust channel's underlying aiormq channel rather than through aio-pika's
+queue: aio-pika builds a full ``IncomingMessage`` (every property converted, one more task) for
+each message, which costs more than everything a consumer does with it. A delivery here keeps
+aiormq's frame and reads what it is asked for. The price is that aio-pika no longer knows the
+consumer, so the subscription consumes again itself each time the robust channel reopens (after
+a reconnect, or after the broker closed the channel). A delivery is settled by its delivery tag
+on the channel it came on: one from a lost channel raises :class:`TransportError` (the broker
+delivers it again), and deliveries still buffered from a lost channel are dropped here.
 """
 
 from __future__ import annotations
@@ -12,14 +19,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import aio_pika
 import aio_pika.abc
+import aiormq.abc
 import aiormq.exceptions
+from pamqp import commands as spec
 
 from .._errors import TransportError
-from ._amqp_errors import FAILURES, is_spurious_cancel, reason
+from ._amqp_errors import FAILURES, LINK_ERRORS, is_spurious_cancel, reason
 from ._base import PropertyValue
 from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON
 
@@ -31,11 +40,15 @@ log = logging.getLogger(__name__)
 PublishFn = Callable[[str, str, aio_pika.Message, str], Awaitable[None]]
 #: A robust channel with this prefetch, opened once the link is up.
 ChannelFn = Callable[[int], Awaitable[aio_pika.abc.AbstractRobustChannel]]
+#: Declares the subscription's queue on its robust channel, so each reopen declares it again
+#: before the subscription consumes again (a durable queue passively: it must still exist).
+AttachFn = Callable[[aio_pika.abc.AbstractRobustChannel], Awaitable[object]]
 
 _DELIVERY_COUNT = "x-delivery-count"
 _FIRST_DEATH_REASON = "x-first-death-reason"
 _FIRST_DEATH_QUEUE = "x-first-death-queue"
 _CLOSE_TIMEOUT = 5.0
+_CONSUME_TIMEOUT = 10.0
 
 
 def _properties(headers: Mapping[str, object]) -> dict[str, PropertyValue]:
@@ -61,52 +74,63 @@ def _properties(headers: Mapping[str, object]) -> dict[str, PropertyValue]:
 
 
 class AmqpDelivery:
-    """A :class:`~schemas.transport.Delivery` from RabbitMQ."""
+    """A :class:`~schemas.transport.Delivery` from RabbitMQ: aiormq's frame, read on demand."""
 
-    def __init__(self, message: aio_pika.abc.AbstractIncomingMessage, owner: AmqpSubscription):
-        self._message = message
+    __slots__ = ("_channel", "_deliver", "_header", "_owner", "_properties", "_settled", "body")
+
+    def __init__(self, message: aiormq.abc.DeliveredMessage, owner: AmqpSubscription) -> None:
+        self.body: bytes = message.body
+        self._deliver: Any = message.delivery  # spec.Basic.Deliver
+        self._header: Any = message.header.properties  # spec.Basic.Properties
+        self._channel = message.channel
         self._owner = owner
         self._settled = False
         self._properties: dict[str, PropertyValue] | None = None  # computed when first asked
 
     @property
-    def body(self) -> bytes:
-        return bytes(self._message.body)
-
-    @property
     def message_id(self) -> str:
-        return self._message.message_id or ""
+        return self._header.message_id or ""
 
     @property
     def content_type(self) -> str:
-        return self._message.content_type or ""
+        return self._header.content_type or ""
 
     @property
     def routing_key(self) -> str:
-        return self._message.routing_key or ""
+        return self._deliver.routing_key or ""
 
     @property
     def properties(self) -> Mapping[str, PropertyValue]:
         if self._properties is None:
-            self._properties = _properties(self._message.headers)
+            self._properties = _properties(self._headers)
         return self._properties
+
+    @property
+    def _headers(self) -> Mapping[str, object]:
+        headers: Mapping[str, object] | None = self._header.headers
+        return headers if headers is not None else {}
 
     @property
     def delivery_count(self) -> int:
         # Quorum queues count returns; classic queues only say "delivered before".
-        count = self._message.headers.get(_DELIVERY_COUNT)
+        count = self._headers.get(_DELIVERY_COUNT)
         if isinstance(count, int) and not isinstance(count, bool):
             return count
-        return 1 if self._message.redelivered else 0
+        return 1 if self._deliver.redelivered else 0
 
     def _claim(self) -> None:
         if self._settled:
             raise TransportError(f"message {self.message_id} was settled already")
         self._settled = True
 
-    async def _settle(self, action: str, operation: Callable[[], Awaitable[None]]) -> None:
+    async def _settle(
+        self, action: str, operation: Callable[[aiormq.abc.AbstractChannel, int], Awaitable[None]]
+    ) -> None:
+        channel = self._channel
         try:
-            await operation()
+            if channel.is_closed:
+                raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
+            await operation(channel, self._deliver.delivery_tag)
         except asyncio.CancelledError as exc:
             if not is_spurious_cancel(exc):
                 raise
@@ -122,18 +146,18 @@ class AmqpDelivery:
 
     async def ack(self) -> None:
         self._claim()
-        await self._settle("ack", self._message.ack)
+        await self._settle("ack", lambda channel, tag: channel.basic_ack(tag))
 
     async def ack_through(self) -> None:
         """Ack this delivery and every earlier one of its subscription still unsettled, in one
         frame (``basic.ack`` with ``multiple``): for a consumer that handles deliveries in
         order and settles the earlier ones no other way, a batch costs one ack."""
         self._claim()
-        await self._settle("ack", lambda: self._message.ack(multiple=True))
+        await self._settle("ack", lambda channel, tag: channel.basic_ack(tag, multiple=True))
 
     async def retry(self) -> None:
         self._claim()
-        await self._settle("requeue", lambda: self._message.nack(requeue=True))
+        await self._settle("requeue", lambda channel, tag: channel.basic_nack(tag, requeue=True))
 
     async def dead_letter(self, reason: str, description: str) -> None:
         exchange = self._owner.dead_letter_exchange
@@ -145,23 +169,26 @@ class AmqpDelivery:
                 self._owner.queue_name,
                 reason,
             )
-            await self._settle("drop", lambda: self._message.reject(requeue=False))
+            await self._settle(
+                "drop", lambda channel, tag: channel.basic_reject(tag, requeue=False)
+            )
             return
         if self._settled:
             raise TransportError(f"message {self.message_id} was settled already")
-        headers = {k: v for k, v in self._message.headers.items() if not k.startswith("x-")}
+        headers = {k: v for k, v in self._headers.items() if not k.startswith("x-")}
         headers[DEAD_LETTER_REASON] = reason
         headers[DEAD_LETTER_DESCRIPTION] = description
+        header = self._header
         copy = aio_pika.Message(
             body=self.body,
-            headers=headers,
-            content_type=self._message.content_type,
-            content_encoding=self._message.content_encoding,
-            message_id=self._message.message_id,
-            correlation_id=self._message.correlation_id,
-            timestamp=self._message.timestamp,
-            type=self._message.type,
-            app_id=self._message.app_id,
+            headers=headers,  # type: ignore[arg-type]  # values as the broker delivered them
+            content_type=header.content_type,
+            content_encoding=header.content_encoding,
+            message_id=header.message_id,
+            correlation_id=header.correlation_id,
+            timestamp=header.timestamp,
+            type=header.message_type,
+            app_id=header.app_id,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         # Confirmed in the dead-letter queue first, then removed here: never both lost.
@@ -169,7 +196,7 @@ class AmqpDelivery:
             exchange, self.routing_key, copy, f"dead letter of message {self.message_id}"
         )
         self._claim()
-        await self._settle("ack", self._message.ack)
+        await self._settle("ack", lambda channel, tag: channel.basic_ack(tag))
 
 
 class AmqpSubscription:
@@ -181,6 +208,7 @@ class AmqpSubscription:
         *,
         prefetch: int,
         declare: Callable[[], Awaitable[None]],
+        attach: AttachFn,
         open_channel: ChannelFn,
         publish: PublishFn,
         dead_letter_exchange: str | None,
@@ -192,13 +220,17 @@ class AmqpSubscription:
         self.publish = publish
         self._prefetch = prefetch
         self._declare = declare
+        self._attach = attach
         self._open_channel = open_channel
         self._on_close = on_close
         self._start_timeout = start_timeout
-        self._buffer: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage | None] = asyncio.Queue()
+        #: Deliveries in arrival order; None wakes the reader to stop (closed or failed).
+        self._buffer: asyncio.Queue[aiormq.abc.DeliveredMessage | None] = asyncio.Queue()
         self._channel: aio_pika.abc.AbstractRobustChannel | None = None
+        self._consumer_tag: str | None = None
         self._started = False
         self._closed = False
+        self._failure: TransportError | None = None
         self._start_lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -212,8 +244,8 @@ class AmqpSubscription:
             channel = await self._open_channel(self._prefetch)
             try:
                 async with asyncio.timeout(self._start_timeout):
-                    queue = await channel.declare_queue(self.queue_name, passive=True)
-                    await queue.consume(self._on_message)
+                    await self._attach(channel)
+                    await self._consume(await channel.get_underlay_channel())
             except asyncio.CancelledError as exc:
                 await self._close_channel(channel)
                 if not is_spurious_cancel(exc):
@@ -222,11 +254,52 @@ class AmqpSubscription:
             except FAILURES as exc:
                 await self._close_channel(channel)
                 raise TransportError(f"consuming {self.queue_name} failed: {reason(exc)}") from exc
+            channel.reopen_callbacks.add(self._on_reopen)
             self._channel = channel
             self._started = True
             log.debug("consuming %s (prefetch %d)", self.queue_name, self._prefetch)
 
-    async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    async def _consume(self, channel: aiormq.abc.AbstractChannel) -> None:
+        channel.on_consumer_cancel_callbacks.add(self._on_cancelled)
+        ok = await channel.basic_consume(
+            self.queue_name, self._on_delivered, no_ack=False, timeout=_CONSUME_TIMEOUT
+        )
+        self._consumer_tag = ok.consumer_tag
+
+    async def _on_reopen(self, channel: aio_pika.abc.AbstractRobustChannel | None, /) -> None:
+        """The robust channel reopened (it declared the queue again): consume on it again."""
+        if channel is None or self._closed or self._failure is not None:
+            return
+        try:
+            await self._consume(await channel.get_underlay_channel())
+        except asyncio.CancelledError as exc:
+            if not is_spurious_cancel(exc):
+                raise
+            log.info("consuming %s again was cut off: tried on the next reopen", self.queue_name)
+        except LINK_ERRORS as exc:
+            log.info(
+                "consuming %s again was cut off (%s): tried again on the next reopen",
+                self.queue_name,
+                reason(exc),
+            )
+        except FAILURES as exc:
+            self._fail(f"consuming {self.queue_name} again failed: {reason(exc)}", exc)
+        else:
+            log.info("consuming %s again after a reconnect", self.queue_name)
+
+    def _on_cancelled(self, frame: spec.Basic.Cancel) -> None:
+        """The broker cancelled the consumer (its queue was deleted): the stream ends."""
+        if frame.consumer_tag == self._consumer_tag and not self._closed:
+            self._fail(f"RabbitMQ cancelled the consumer of {self.queue_name}", None)
+
+    def _fail(self, message: str, cause: BaseException | None) -> None:
+        """End the subscription: what is buffered is still handed out, then waits raise."""
+        log.error("%s: the subscription ends", message)
+        self._failure = TransportError(message)
+        self._failure.__cause__ = cause
+        self._buffer.put_nowait(None)
+
+    async def _on_delivered(self, message: aiormq.abc.DeliveredMessage) -> None:
         if not self._closed:  # after close the channel's closing hands it back to the queue
             self._buffer.put_nowait(message)
 
@@ -235,17 +308,19 @@ class AmqpSubscription:
 
     async def __anext__(self) -> AmqpDelivery:
         await self.start()
+        buffer = self._buffer
         while not self._closed:
-            message = await self._buffer.get()
+            message = buffer.get_nowait() if buffer.qsize() else await buffer.get()
             if message is None:
-                break
-            try:
-                message.channel  # noqa: B018 - raises once the channel it came on is gone
-            except aiormq.exceptions.ChannelInvalidStateError:
+                if self._failure is not None and not self._closed:
+                    buffer.put_nowait(None)  # every later wait raises too
+                    raise TransportError(str(self._failure)) from self._failure.__cause__
+                continue
+            if message.channel.is_closed:
                 log.debug(
                     "message %s from %s arrived on a channel since lost: the broker delivers "
                     "it again",
-                    message.message_id,
+                    message.header.properties.message_id,
                     self.queue_name,
                 )
                 continue
@@ -261,6 +336,7 @@ class AmqpSubscription:
         async with self._start_lock:
             channel, self._channel = self._channel, None
         if channel is not None:
+            channel.reopen_callbacks.discard(self._on_reopen)
             await self._close_channel(channel)
 
     async def _close_channel(self, channel: aio_pika.abc.AbstractRobustChannel) -> None:

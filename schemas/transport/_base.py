@@ -129,9 +129,17 @@ class Transport(Protocol):
         :meth:`subscribe`; None takes an existing group as it is (new: competing consumers)."""
         ...
 
-    def subscribe(self, group: str, *, prefetch: int = 64, exclusive: bool = False) -> Subscription:
+    def subscribe(
+        self, group: str, *, prefetch: int = 64, exclusive: bool = False, transient: bool = False
+    ) -> Subscription:
         """Consume the group's copy of the stream (declares it). ``exclusive``: one active
-        consumer at a time (the others wait), where order matters."""
+        consumer at a time (the others wait), where order matters.
+
+        ``transient``: a copy of the stream for this subscription only, from now on, which the
+        broker drops when it closes, for a reader that must leave nothing behind (``tail``):
+        a durable group keeps collecting messages after its last consumer stops. RabbitMQ and
+        memory create it; Service Bus cannot create a subscription over AMQP, so it reads the
+        subscription ``group``, which the operator creates with AutoDeleteOnIdle."""
         ...
 
     def approvals(self, vm: str, *, prefetch: int = 8) -> Subscription:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import ClassVar, Self
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 DEAD_LETTER_REASON = "dead_letter_reason"
 DEAD_LETTER_DESCRIPTION = "dead_letter_description"
+#: A transient subscription's own queue is named ``<group><TRANSIENT_INFIX><id>``.
+TRANSIENT_INFIX = ".transient."
 
 
 @dataclass(slots=True)
@@ -113,6 +115,7 @@ class MemoryBroker:
         self.dead: dict[str, _Queue] = {}
         self.vms: dict[str, _Queue] = {}
         self.published = 0
+        self.transient_count = 0
 
     @classmethod
     def named(cls, name: str) -> MemoryBroker:
@@ -218,6 +221,8 @@ class _MemorySubscription:
         self.dead_queue = dead_queue
         self.exclusive = exclusive
         self.unsettled: set[_MemoryDelivery] = set()
+        #: Called once on close (a transient subscription removes its queue).
+        self.on_close: Callable[[], object] | None = None
         self._closed = False
 
     def __aiter__(self) -> AsyncIterator[_MemoryDelivery]:
@@ -245,6 +250,8 @@ class _MemorySubscription:
         self.unsettled.clear()
         if self.exclusive:
             self.queue.release_exclusive(self)
+        if self.on_close is not None:
+            self.on_close()
 
     async def __aenter__(self) -> Self:
         return self
@@ -321,8 +328,19 @@ class MemoryTransport:
         return subscription
 
     def subscribe(
-        self, group: str, *, prefetch: int = 64, exclusive: bool = False
+        self, group: str, *, prefetch: int = 64, exclusive: bool = False, transient: bool = False
     ) -> _MemorySubscription:
+        """``transient``: a copy of the stream of this subscription's own (``group`` names it,
+        as ``<group>.transient.<n>``), which goes away when the subscription closes; what it
+        dead-letters is dropped."""
+        if transient:
+            self._check()
+            self.broker.transient_count += 1
+            name = f"{group}{TRANSIENT_INFIX}{self.broker.transient_count}"
+            queue = self.broker.groups[name] = _Queue(f"group:{name}")
+            subscription = self._open(queue, None, exclusive=False)
+            subscription.on_close = lambda: self.broker.groups.pop(name, None)
+            return subscription
         queue = self.broker.group(group)
         return self._open(queue, self.broker.dead[group], exclusive=exclusive)
 

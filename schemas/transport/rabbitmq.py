@@ -6,6 +6,8 @@ Topology (declared idempotently, durable; names from :class:`~schemas.ChannelNam
       └─ group_prefix+G          quorum queue per consumer group, bound with "#"
          (x-dead-letter-exchange -> group_prefix+G.dead-letter, x-delivery-limit)
     group_prefix+G.dead-letter   fanout exchange + quorum queue: the group's dead letters
+      └─ group_prefix+G.transient.<id>   a transient subscription's own queue (classic,
+                                         exclusive, auto-delete): gone when it closes
     approvals_exchange   direct  approvals, routing key = VM name (case-folded)
       └─ vm_prefix+vm            the VM's queue (classic, x-message-ttl = approval_ttl)
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from types import TracebackType
@@ -48,6 +51,7 @@ from ._amqp_consume import AmqpSubscription
 from ._amqp_errors import FAILURES, REFUSALS, config_error, is_spurious_cancel, reason
 from ._amqp_settings import AmqpSettings, parse_amqp_url
 from ._base import OutgoingMessage
+from .memory import TRANSIENT_INFIX
 
 __all__ = ["AmqpSettings", "RabbitMQTransport"]
 
@@ -470,14 +474,21 @@ class RabbitMQTransport:
         prefetch: int,
         declare: Callable[[], Awaitable[None]],
         dead_letter_exchange: str | None,
+        attach: Callable[[aio_pika.abc.AbstractRobustChannel], Awaitable[object]] | None = None,
     ) -> AmqpSubscription:
         self._require()
         if prefetch < 1:
             raise ConfigError(f"prefetch must be at least 1, not {prefetch}")
+
+        async def existing(channel: aio_pika.abc.AbstractRobustChannel) -> object:
+            # Passive, and registered on the robust channel: each reopen checks it again.
+            return await channel.declare_queue(queue, passive=True)
+
         subscription = AmqpSubscription(
             queue,
             prefetch=prefetch,
             declare=declare,
+            attach=attach or existing,
             open_channel=self._consumer_channel,
             publish=self._publish,
             dead_letter_exchange=dead_letter_exchange,
@@ -488,15 +499,43 @@ class RabbitMQTransport:
         return subscription
 
     def subscribe(
-        self, group: str, *, prefetch: int = 64, exclusive: bool = False
+        self, group: str, *, prefetch: int = 64, exclusive: bool = False, transient: bool = False
     ) -> AmqpSubscription:
         """Consume the group's queue. ``exclusive`` is ``x-single-active-consumer``, fixed when
-        the queue is created: asking for the other value raises :class:`ConfigError`."""
+        the queue is created: asking for the other value raises :class:`ConfigError`.
+
+        ``transient``: a queue of this subscription's own instead of the group's (a classic,
+        non-durable, exclusive, auto-delete queue named ``<group_prefix><group>.transient.<id>``,
+        bound ``#``), which the broker deletes when the subscription closes or its connection
+        goes: nothing collects messages once the reader stops. It sees what is published while
+        it runs (after a reconnect it is declared again, so what was published while the link
+        was down is missed); ``exclusive`` does not apply (it has one consumer); what it
+        dead-letters is dropped."""
+        if not transient:
+            return self._subscription(
+                self.group_queue(group),
+                prefetch=prefetch,
+                declare=lambda: self._declare_group(group, exclusive),
+                dead_letter_exchange=self.dead_letter_name(group),
+            )
+        queue = f"{self.group_queue(group)}{TRANSIENT_INFIX}{uuid.uuid4().hex[:12]}"
+
+        async def nothing() -> None:
+            """The events exchange is declared on connect; the queue belongs to the channel."""
+
+        async def transient_queue(channel: aio_pika.abc.AbstractRobustChannel) -> object:
+            declared = await channel.declare_queue(
+                queue, durable=False, exclusive=True, auto_delete=True
+            )
+            await declared.bind(self.channels.events_exchange, "#")
+            return declared
+
         return self._subscription(
-            self.group_queue(group),
+            queue,
             prefetch=prefetch,
-            declare=lambda: self._declare_group(group, exclusive),
-            dead_letter_exchange=self.dead_letter_name(group),
+            declare=nothing,
+            dead_letter_exchange=None,
+            attach=transient_queue,
         )
 
     def approvals(self, vm: str, *, prefetch: int = 8) -> AmqpSubscription:

@@ -492,8 +492,12 @@ class ServiceBusTransport:
         return subscription
 
     def subscribe(
-        self, group: str, *, prefetch: int = 64, exclusive: bool = False
+        self, group: str, *, prefetch: int = 64, exclusive: bool = False, transient: bool = False
     ) -> _ServiceBusSubscription:
+        """``transient`` changes nothing here: a subscription cannot be created over AMQP, so
+        a transient reader (``tail``) reads the subscription ``group``, which the operator
+        creates with AutoDeleteOnIdle (e.g. ``az servicebus topic subscription create ...
+        --name tail --auto-delete-on-idle PT5M``) so it does not collect messages forever."""
         topic = self.channels.events_topic
         if exclusive:
             # One active consumer at a time, in order: the session-enabled subscription's one
