@@ -16,6 +16,7 @@ once: ``ack`` after handling, ``retry`` for a transient failure (it comes back w
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -23,7 +24,7 @@ from typing import Protocol, Self, runtime_checkable
 
 from ..channels import ReplyAddress
 
-__all__ = ["Delivery", "OutgoingMessage", "Subscription", "Transport"]
+__all__ = ["AsyncResource", "Delivery", "OutgoingMessage", "Subscription", "Transport"]
 
 PropertyValue = str | int | float | bool
 
@@ -150,3 +151,26 @@ class Transport(Protocol):
         """Consume what the group dead-lettered; ``properties["dead_letter_reason"]`` and
         ``properties["dead_letter_description"]`` say why."""
         ...
+
+
+class AsyncResource(ABC):
+    """``async with`` for the transports and their subscriptions: enter runs :meth:`connect`
+    (nothing by default), leaving always runs :meth:`close`."""
+
+    async def connect(self) -> None:
+        return None
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

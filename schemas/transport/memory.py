@@ -15,12 +15,11 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from types import TracebackType
-from typing import ClassVar, Self
+from typing import ClassVar
 
 from .._errors import TransportError
 from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
-from ._base import OutgoingMessage, PropertyValue
+from ._base import AsyncResource, OutgoingMessage, PropertyValue
 
 __all__ = ["MemoryBroker", "MemoryTransport"]
 
@@ -215,7 +214,7 @@ class _MemoryDelivery:
             self._subscription.queue.put(self._stored, front=True)
 
 
-class _MemorySubscription:
+class _MemorySubscription(AsyncResource):
     def __init__(self, queue: _Queue, dead_queue: _Queue | None, *, exclusive: bool) -> None:
         self.queue = queue
         self.dead_queue = dead_queue
@@ -253,19 +252,8 @@ class _MemorySubscription:
         if self.on_close is not None:
             self.on_close()
 
-    async def __aenter__(self) -> Self:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-
-class MemoryTransport:
+class MemoryTransport(AsyncResource):
     """The :class:`~schemas.transport.Transport` of one process: ``memory://NAME``."""
 
     name = "memory"
@@ -286,18 +274,6 @@ class MemoryTransport:
         for subscription in list(self._subscriptions):
             await subscription.close()
         self._subscriptions.clear()
-
-    async def __aenter__(self) -> Self:
-        await self.connect()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _check(self) -> None:
         if not self._connected:

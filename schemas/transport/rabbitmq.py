@@ -36,8 +36,7 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import aio_pika
 import aio_pika.abc
@@ -50,7 +49,7 @@ from . import redact
 from ._amqp_consume import AmqpSubscription
 from ._amqp_errors import FAILURES, REFUSALS, config_error, is_spurious_cancel, reason
 from ._amqp_settings import AmqpSettings, parse_amqp_url
-from ._base import OutgoingMessage
+from ._base import AsyncResource, OutgoingMessage
 from .memory import TRANSIENT_INFIX
 
 __all__ = ["AmqpSettings", "RabbitMQTransport"]
@@ -78,7 +77,7 @@ class _JitteredRobustConnection(aio_pika.RobustConnection):
         self._base_interval = float(value)
 
 
-class RabbitMQTransport:
+class RabbitMQTransport(AsyncResource):
     """The :class:`~schemas.transport.Transport` over RabbitMQ (``amqp://`` / ``amqps://``)."""
 
     name = "rabbitmq"
@@ -183,18 +182,6 @@ class RabbitMQTransport:
                 await connection.close()
         except FAILURES as exc:
             log.warning("closing the connection to %s failed (%s): dropped", self.display_url, exc)
-
-    async def __aenter__(self) -> Self:
-        await self.connect()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _on_link_lost(self, _sender: object, exc: BaseException | None) -> None:
         if self._closing:

@@ -38,8 +38,7 @@ import random
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import timedelta
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 from urllib.parse import urlsplit
 
 from azure.servicebus import (
@@ -64,7 +63,7 @@ from azure.servicebus.exceptions import (
 
 from .._errors import ConfigError, PublishNotConfirmed, TransportError
 from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
-from ._base import OutgoingMessage, PropertyValue
+from ._base import AsyncResource, OutgoingMessage, PropertyValue
 from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON
 
 
@@ -177,7 +176,7 @@ class _ServiceBusDelivery:
         )
 
 
-class _ServiceBusSubscription:
+class _ServiceBusSubscription(AsyncResource):
     """A receiver loop that reopens its receiver after a failure (with jittered backoff)."""
 
     def __init__(
@@ -278,17 +277,6 @@ class _ServiceBusSubscription:
                         log.debug("abandoning %s on close failed: %s", delivery.message_id, exc)
             await self._drop_receiver()
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
 
 def _namespace(url: str) -> str:
     host = urlsplit(url.strip()).netloc or urlsplit(url.strip()).path
@@ -297,7 +285,7 @@ def _namespace(url: str) -> str:
     return host if "." in host else f"{host}.servicebus.windows.net"
 
 
-class ServiceBusTransport:
+class ServiceBusTransport(AsyncResource):
     """The :class:`~schemas.transport.Transport` on Azure Service Bus.
 
     ``url`` is a connection string (``Endpoint=sb://...;SharedAccessKeyName=...;
@@ -374,18 +362,6 @@ class ServiceBusTransport:
         for result in results:
             if isinstance(result, BaseException):
                 log.debug("closing a Service Bus handler failed: %s", result)
-
-    async def __aenter__(self) -> Self:
-        await self.connect()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _require(self) -> ServiceBusClient:
         if self._client is None:
