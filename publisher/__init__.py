@@ -8,12 +8,10 @@
 The CLI is ``python -m publisher`` (console script ``scheduled-events-agent``).
 """
 
-from __future__ import annotations
+import importlib as _importlib
+import typing as _typing
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from ._agent import AGENT_VERSION, Agent
     from ._settings import ENV_PREFIX, AgentSettings, HookSpec, parse_settings
 
@@ -30,10 +28,10 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module 'publisher' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
+    value = getattr(_importlib.import_module(home, __name__), name)
     globals()[name] = value
     return value
