@@ -28,7 +28,7 @@ from typing import Any, Protocol, Self
 from urllib.parse import urlsplit
 
 from schemas import ConfigError, LifecycleMessage, TransportError
-from schemas.transport import redact
+from schemas.transport import AsyncResource, redact
 
 from ._policies import Verdict
 
@@ -76,7 +76,7 @@ class LedgerEntry:
 class Ledger(Protocol):
     """What the audit service and ``audit history`` need from a store."""
 
-    async def open(self) -> None: ...
+    async def connect(self) -> None: ...
     async def close(self) -> None: ...
     async def __aenter__(self) -> Self: ...
     async def __aexit__(
@@ -138,26 +138,6 @@ def _decision_body(verdict: Verdict, decided_by: str, target: str | None) -> dic
     }
 
 
-class _Base:
-    async def open(self) -> None:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        raise NotImplementedError
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-
 # ------------------------------------------------------------------------------------ SQLite
 
 _SQLITE_SCHEMA = """
@@ -200,14 +180,14 @@ def _parse_time(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-class SqliteLedger(_Base):
+class SqliteLedger(AsyncResource):
     """The ledger in one SQLite file (WAL mode; work runs in aiosqlite's thread)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._db: Any = None
 
-    async def open(self) -> None:
+    async def connect(self) -> None:
         import aiosqlite
 
         if self._db is not None:
@@ -387,7 +367,7 @@ END $$;
 """
 
 
-class PostgresLedger(_Base):
+class PostgresLedger(AsyncResource):
     """The ledger in PostgreSQL, for a central deployment (several audit processes may share
     it: appends are idempotent on the message id)."""
 
@@ -395,7 +375,7 @@ class PostgresLedger(_Base):
         self.dsn = dsn
         self._pool: Any = None
 
-    async def open(self) -> None:
+    async def connect(self) -> None:
         try:
             import asyncpg
         except ImportError as exc:

@@ -79,7 +79,7 @@ async def _approver(args: argparse.Namespace) -> int:
     ledger = open_ledger(args.db) if args.db else None
     async with open_transport(url, _channels(args)) as transport:
         if ledger is not None:
-            await ledger.open()
+            await ledger.connect()
         try:
             service = ApproverService(
                 transport,

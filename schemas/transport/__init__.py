@@ -16,12 +16,13 @@ from urllib.parse import urlsplit
 
 from .._errors import ConfigError
 from ..channels import DEFAULT_CHANNELS, ChannelNames
-from ._base import Delivery, OutgoingMessage, Subscription, Transport
+from ._base import AsyncResource, Delivery, OutgoingMessage, Subscription, Transport
 from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON, MemoryBroker, MemoryTransport
 
 __all__ = [
     "DEAD_LETTER_DESCRIPTION",
     "DEAD_LETTER_REASON",
+    "AsyncResource",
     "Delivery",
     "MemoryBroker",
     "MemoryTransport",
