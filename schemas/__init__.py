@@ -2,6 +2,7 @@
 
 - :mod:`schemas.imds`: the IMDS Scheduled Events document, every API version.
 - :mod:`schemas.transitions`: what changed between two documents (one pure function).
+- :mod:`schemas.fingerprints`: content digests and the event version an approval is bound to.
 - :mod:`schemas.messages`: the lifecycle messages (CloudEvents 1.0, structured JSON).
 - :mod:`schemas.approvals`: signed approvals, central service -> one VM.
 - :mod:`schemas.channels`: the channels on RabbitMQ and Service Bus.
@@ -13,6 +14,7 @@ from ._errors import (
     ConfigError,
     ImdsError,
     ImdsThrottled,
+    MessageRefused,
     PublishNotConfirmed,
     RejectReason,
     RelayError,
@@ -22,6 +24,7 @@ from ._errors import (
 )
 from .approvals import (
     Approval,
+    check_lifetime,
     key_id,
     load_public_keys,
     load_signing_key,
@@ -36,7 +39,9 @@ from .channels import (
     MessageType,
     ReplyAddress,
     routing_key,
+    vm_word,
 )
+from .fingerprints import content_fingerprint, event_version
 from .identity import VmIdentity
 from .imds import (
     API_VERSIONS,
@@ -53,15 +58,18 @@ from .messages import (
     AgentMessage,
     ApprovalOutcomeData,
     ApprovalOutcomeMessage,
+    HookOutcome,
     HookResultData,
     HookResultMessage,
     LifecycleMessage,
+    NewerMessage,
     TransitionData,
     TransitionMessage,
     UnknownMessageType,
     decode,
+    decode_newer,
 )
-from .transitions import Transition, TransitionKind, diff
+from .transitions import Transition, TransitionKind, diff, revisions_after
 from .versioning import SCHEMA_VERSION, check_version
 
 __all__ = [
@@ -82,12 +90,15 @@ __all__ = [
     "EventSource",
     "EventStatus",
     "EventType",
+    "HookOutcome",
     "HookResultData",
     "HookResultMessage",
     "ImdsError",
     "ImdsThrottled",
     "LifecycleMessage",
+    "MessageRefused",
     "MessageType",
+    "NewerMessage",
     "PublishNotConfirmed",
     "RejectReason",
     "RelayError",
@@ -103,14 +114,20 @@ __all__ = [
     "UnknownMessageType",
     "VersionMismatch",
     "VmIdentity",
+    "check_lifetime",
     "check_version",
+    "content_fingerprint",
     "decode",
+    "decode_newer",
     "diff",
+    "event_version",
     "key_id",
     "load_public_keys",
     "load_signing_key",
     "new_approval",
+    "revisions_after",
     "routing_key",
     "sign",
     "verify",
+    "vm_word",
 ]

@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ._errors import ConfigError
 from .export import HERE, render_all, write_all
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ConfigError as exc:
+        print(f"python -m schemas: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m schemas",
         description="The wire contract of scheduled-events-relay.",

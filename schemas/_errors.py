@@ -9,6 +9,7 @@
     ├── ConfigError (ValueError)            bad settings, bad key files, bad URLs
     ├── TransportError (ConnectionError)    the broker is unreachable or refused an operation
     │   └── PublishNotConfirmed             the broker did not confirm (nack, unroutable, timeout)
+    │       └── MessageRefused              the broker will never take this message (too large)
     └── ImdsError                           IMDS answered with an error or not at all
         └── ImdsThrottled                   429: asked too often
 
@@ -25,6 +26,7 @@ __all__ = [
     "ConfigError",
     "ImdsError",
     "ImdsThrottled",
+    "MessageRefused",
     "PublishNotConfirmed",
     "RejectReason",
     "RelayError",
@@ -66,6 +68,11 @@ class PublishNotConfirmed(TransportError):
     """The broker did not confirm a message (negative ack, unroutable, or no answer in time)."""
 
 
+class MessageRefused(PublishNotConfirmed):
+    """The broker will never take this message, however often it is sent (over its size
+    limit, say): the sender sets it aside instead of trying again."""
+
+
 class ImdsError(RelayError):
     """IMDS answered with an error, with garbage, or not at all. Never an empty event list."""
 
@@ -90,6 +97,10 @@ class RejectReason(StrEnum):
     MALFORMED = "malformed"
     EVENT_NOT_FOUND = "event-not-found"
     EVENT_NOT_SCHEDULED = "event-not-scheduled"
+    #: (1.1) The live event is not the version the approval was decided on.
+    EVENT_CHANGED = "event-changed"
+    #: (1.1) The approval names no event version (a 1.0 approver sent it).
+    UNBOUND = "unbound"
     OBSERVE_ONLY = "observe-only"
     IMDS_REFUSED = "imds-refused"
 

@@ -1,8 +1,17 @@
 """Approvals: a central service's signed permission for one VM to start one event early.
 
 The approver signs the canonical encoding of the approval (every field but ``signature``, as
-JSON with sorted keys, no spaces, UTF-8) with Ed25519. The agent verifies it against the public
-keys it trusts; each failure has its own :class:`~schemas.RejectReason`.
+JSON with sorted keys, no spaces, UTF-8, the two times as ``YYYY-MM-DDTHH:MM:SS.ffffffZ``) with
+Ed25519. The agent verifies it against the public keys it trusts; each failure has its own
+:class:`~schemas.RejectReason`.
+
+The signed bytes are what the *signer* wrote: an approval received from the wire is verified over
+every field it carries, those this version knows and those a newer minor version added, so an
+agent one version behind its approver still verifies it. (Fields are JSON strings, integers,
+booleans, null, lists and objects: no floats, whose text may not survive a round trip.)
+
+An approval is bound to the version of the event its decider judged (``event_version``, see
+:mod:`schemas.fingerprints`): the agent applies it only while the live event has that version.
 
 >>> key = generate_signing_key()
 >>> approval = sign(new_approval("EVT-1", "web-7", decided_by="policy"), key)
@@ -19,19 +28,33 @@ import uuid
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any, Self
 
+import pydantic_core
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+)
 
 from ._errors import ApprovalRejected, ConfigError, RejectReason, SchemaError
+from .fingerprints import EVENT_VERSION_DEFINITION
 from .versioning import SCHEMA_VERSION, check_version
 
 __all__ = [
     "APPROVAL_CONTENT_TYPE",
     "DEFAULT_APPROVAL_TTL",
+    "MAX_APPROVAL_BYTES",
+    "MAX_CLOCK_SKEW",
     "Approval",
+    "check_lifetime",
     "generate_signing_key",
     "key_id",
     "load_public_keys",
@@ -44,6 +67,9 @@ __all__ = [
 
 APPROVAL_CONTENT_TYPE = "application/json"
 DEFAULT_APPROVAL_TTL = timedelta(minutes=10)
+#: How far in the future ``issued_at`` may lie (the signer's clock ahead of the agent's).
+MAX_CLOCK_SKEW = timedelta(minutes=5)
+_TIMES = ("issued_at", "expires_at")
 
 
 class Approval(BaseModel):
@@ -63,6 +89,15 @@ class Approval(BaseModel):
     key_id: str | None = None
     #: Base64 Ed25519 signature over :meth:`canonical_bytes`.
     signature: str | None = None
+    #: (1.1) :func:`~schemas.fingerprints.event_version` of the event as its decider saw it.
+    #: An approval without one (from a 1.0 approver) is never applied.
+    event_version: str | None = Field(
+        default=None,
+        description="(1.1) The event version its decider judged; an approval without one is "
+        "never applied. " + EVENT_VERSION_DEFINITION,
+    )
+    #: The fields as received (:meth:`from_bytes`), which are what was signed.
+    _wire: dict[str, Any] | None = PrivateAttr(default=None)
 
     @field_validator("schemaversion")
     @classmethod
@@ -70,27 +105,54 @@ class Approval(BaseModel):
         return check_version(value)
 
     def canonical_bytes(self) -> bytes:
-        """What is signed: every field but ``signature``, times in UTC, keys sorted."""
-        fields = self.model_dump(mode="json", exclude={"signature"})
-        fields["issued_at"] = _utc(self.issued_at)
-        fields["expires_at"] = _utc(self.expires_at)
+        """What is signed: every field but ``signature`` (as received, when it was), the times
+        in UTC with microseconds, keys sorted, no spaces, UTF-8."""
+        fields = dict(self._wire) if self._wire is not None else self.model_dump(mode="json")
+        fields.pop("signature", None)
+        for name in _TIMES:
+            fields[name] = _utc(getattr(self, name))
         return json.dumps(
             fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False
         ).encode()
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy; a changed copy is no longer what was received, so it is signed (and
+        verified) over its own fields."""
+        copy = super().model_copy(update=update, deep=deep)
+        if update:
+            copy._wire = None
+        return copy
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes | str) -> Approval:
+        """Parse an approval; :class:`SchemaError` for anything that is not one (never
+        another exception, whatever the bytes)."""
+        data = raw.encode() if isinstance(raw, str) else bytes(raw)
+        if len(data) > MAX_APPROVAL_BYTES:
+            raise SchemaError(f"not an approval: {len(data)} bytes is too large")
         try:
-            return cls.model_validate_json(raw)
-        except ValidationError as exc:
+            fields = pydantic_core.from_json(data, allow_inf_nan=False)
+        except (ValueError, RecursionError) as exc:
+            raise SchemaError(f"not an approval: not JSON: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise SchemaError("not an approval: the JSON is not an object")
+        try:
+            approval = cls.model_validate(fields)
+        except (ValidationError, RecursionError) as exc:
             raise SchemaError(f"not an approval: {exc}") from exc
+        approval._wire = fields
+        return approval
 
 
 def _utc(value: datetime) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+#: An approval is a few hundred bytes; anything much larger is not one.
+MAX_APPROVAL_BYTES = 64 * 1024
 
 
 def new_approval(
@@ -98,10 +160,12 @@ def new_approval(
     vm: str,
     *,
     decided_by: str,
+    event_version: str | None,
     reason: str = "",
     ttl: timedelta = DEFAULT_APPROVAL_TTL,
     now: datetime | None = None,
 ) -> Approval:
+    """An unsigned approval of ``event_id`` at ``event_version`` (see :func:`sign`)."""
     issued = now or datetime.now(UTC)
     return Approval(
         approval_id=str(uuid.uuid4()),
@@ -111,6 +175,7 @@ def new_approval(
         reason=reason,
         issued_at=issued,
         expires_at=issued + ttl,
+        event_version=event_version,
     )
 
 
@@ -134,9 +199,13 @@ def verify(
     *,
     vm_name: str,
     now: datetime | None = None,
+    max_lifetime: timedelta | None = None,
 ) -> None:
     """Raise :class:`ApprovalRejected` unless ``approval`` is signed by a trusted key, not
-    expired, and addressed to ``vm_name``. Returns None when it may be applied."""
+    expired, and addressed to ``vm_name``. Returns None when it may be applied.
+
+    ``max_lifetime`` caps how long after ``issued_at`` it is accepted, whatever ``expires_at``
+    says (the receiver's limit on what a signer may grant)."""
     if not approval.signature or not approval.key_id:
         raise ApprovalRejected(RejectReason.MISSING_SIGNATURE, "the approval is not signed")
     public_key = trusted.get(approval.key_id)
@@ -151,14 +220,31 @@ def verify(
         raise ApprovalRejected(
             RejectReason.BAD_SIGNATURE, f"the signature does not match key {approval.key_id}"
         ) from exc
-    moment = now or datetime.now(UTC)
-    if approval.expires_at <= moment:
-        raise ApprovalRejected(
-            RejectReason.EXPIRED, f"the approval expired at {_utc(approval.expires_at)}"
-        )
+    check_lifetime(approval, now or datetime.now(UTC), max_lifetime)
     if approval.vm.casefold() != vm_name.casefold():
         raise ApprovalRejected(
             RejectReason.NOT_FOR_THIS_VM, f"the approval is for {approval.vm!r}, not {vm_name!r}"
+        )
+
+
+def check_lifetime(approval: Approval, now: datetime, max_lifetime: timedelta | None) -> None:
+    """:class:`ApprovalRejected` (``expired``) unless ``now`` lies in the approval's life:
+    issued no later than :data:`MAX_CLOCK_SKEW` from now, and before ``expires_at`` and
+    ``issued_at + max_lifetime``, whichever comes first."""
+    if approval.issued_at > now + MAX_CLOCK_SKEW:
+        raise ApprovalRejected(
+            RejectReason.EXPIRED,
+            f"the approval is issued at {_utc(approval.issued_at)}, in the future (more than "
+            f"{MAX_CLOCK_SKEW.total_seconds():.0f} s of clock skew): refused",
+        )
+    expiry = approval.expires_at
+    capped = ""
+    if max_lifetime is not None and approval.issued_at + max_lifetime < expiry:
+        expiry = approval.issued_at + max_lifetime
+        capped = f" (its lifetime capped at {max_lifetime.total_seconds():.0f} s by this agent)"
+    if expiry <= now:
+        raise ApprovalRejected(
+            RejectReason.EXPIRED, f"the approval expired at {_utc(expiry)}{capped}"
         )
 
 

@@ -2,8 +2,18 @@
 
 RabbitMQ
     ``scheduled-events``             durable topic exchange: every lifecycle message, routing key
-                                     ``<type-suffix>.<EventType>.<vm>`` (``started.Reboot.web-7``)
-    ``scheduled-events.approvals``   durable direct exchange: approvals, routing key = VM name
+                                     ``<type>.<EventType>.<vm>`` (``started.Reboot.web-7``,
+                                     ``approval-applied.Reboot.web-7``): always three words, the
+                                     VM's name (lower case) last, so a broker permission can
+                                     say "only keys that end in your own name"
+    ``scheduled-events.vm-approvals`` durable topic exchange: approvals, routing key and each
+                                     VM queue's binding key = the VM's name as in the events'
+                                     keys (:func:`vm_word`): a VM's broker user may bind only
+                                     its own key (topic permissions), so it reads only its own
+    ``scheduled-events.unrouted``    the events exchange's alternate exchange (fanout) and the
+                                     quorum queue bound to it: what is published while no
+                                     consumer group is bound waits there, and goes back to the
+                                     events exchange (dead-lettered, so unchanged) once one is
 Azure Service Bus
     ``scheduled-events``             topic: every lifecycle message; one subscription per group
     ``scheduled-events-approvals``   session-enabled queue: approvals, session id = VM name
@@ -27,6 +37,7 @@ __all__ = [
     "MessageType",
     "ReplyAddress",
     "routing_key",
+    "vm_word",
 ]
 
 #: The reverse-DNS prefix of every CloudEvents ``type`` this project emits.
@@ -87,13 +98,19 @@ class ChannelNames:
     """Broker entity names. Tests use :meth:`suffixed` for names of their own."""
 
     events_exchange: str = "scheduled-events"
-    approvals_exchange: str = "scheduled-events.approvals"
+    #: A topic exchange (1.1; 1.0's direct ``scheduled-events.approvals`` is no longer used):
+    #: the routing and binding key is :func:`vm_word`, so a broker permission can say "only
+    #: your own approvals" (RabbitMQ checks topic permissions when a queue is bound).
+    approvals_exchange: str = "scheduled-events.vm-approvals"
     events_topic: str = "scheduled-events"
     approvals_queue: str = "scheduled-events-approvals"
     #: Prefix of the per-group queues on RabbitMQ (``scheduled-events.group.audit``).
     group_prefix: str = "scheduled-events.group."
     #: Prefix of each VM's approvals queue on RabbitMQ (``scheduled-events.vm.web-7``).
     vm_prefix: str = "scheduled-events.vm."
+    #: RabbitMQ: the events exchange's alternate exchange and its catch-all queue (one name):
+    #: lifecycle messages published while no consumer group is bound wait there.
+    unrouted: str = "scheduled-events.unrouted"
 
     def suffixed(self, suffix: str) -> ChannelNames:
         return replace(
@@ -104,6 +121,7 @@ class ChannelNames:
             approvals_queue=f"{self.approvals_queue}-{suffix}",
             group_prefix=f"{self.group_prefix}{suffix}.",
             vm_prefix=f"{self.vm_prefix}{suffix}.",
+            unrouted=f"{self.unrouted}-{suffix}",
         )
 
 
@@ -132,10 +150,25 @@ def _word(value: str) -> str:
     return _WORD_UNSAFE.sub("_", value) or "_"
 
 
-def routing_key(message_type: MessageType, event_type: str | None, vm: str) -> str:
-    """``<type-suffix>.<EventType>.<vm>``; agent messages have ``agent`` in the EventType slot.
+def vm_word(vm: str) -> str:
+    """The last word of every routing key a VM publishes with: its name in lower case, with
+    ``.``, ``*``, ``#`` and spaces as ``_``. A per-VM broker user is named so (RabbitMQ topic
+    permissions compare it with ``{username}``).
 
-    >>> routing_key(MessageType.STARTED, "Reboot", "web-7")
-    'started.Reboot.web-7'
+    >>> vm_word("Web.7")
+    'web_7'
     """
-    return f"{message_type.value}.{_word(event_type or 'agent')}.{_word(vm)}"
+    return _word(vm.casefold())
+
+
+def routing_key(message_type: MessageType, event_type: str | None, vm: str) -> str:
+    """``<type>.<EventType>.<vm>``: three words, the type's own dots as ``-``, agent messages
+    with ``agent`` in the EventType slot, the VM last (:func:`vm_word`).
+
+    >>> routing_key(MessageType.STARTED, "Reboot", "Web-7")
+    'started.Reboot.web-7'
+    >>> routing_key(MessageType.APPROVAL_APPLIED, "Reboot", "web-7")
+    'approval-applied.Reboot.web-7'
+    """
+    kind = message_type.value.replace(".", "-")
+    return f"{kind}.{_word(event_type or 'agent')}.{vm_word(vm)}"

@@ -13,8 +13,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ._errors import ConfigError
 from .approvals import Approval
 from .channels import DEFAULT_CHANNELS, TYPE_PREFIX, MessageType
+from .fingerprints import EVENT_VERSION_DEFINITION
 from .imds import ScheduledEventsDocument
 from .messages import (
     CLOUDEVENTS_CONTENT_TYPE,
@@ -29,9 +31,9 @@ HERE = Path(__file__).parent
 
 _EXAMPLE_KEYS = {
     "transition": "started.Reboot.web-7",
-    "approval-outcome": "approval.applied.Reboot.web-7",
-    "agent": "agent.heartbeat.agent.web-7",
-    "hook-result": "hook.completed.Reboot.web-7",
+    "approval-outcome": "approval-applied.Reboot.web-7",
+    "agent": "agent-heartbeat.agent.web-7",
+    "hook-result": "hook-completed.Reboot.web-7",
 }
 
 
@@ -69,8 +71,11 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "approval",
         "Approval",
         "A signed approval, central service -> one VM (content type application/json). "
-        "signature: base64 Ed25519 over the canonical JSON of every other field (keys sorted, "
-        "no spaces, UTF-8, times as UTC YYYY-MM-DDTHH:MM:SS.ffffffZ).",
+        "signature: base64 Ed25519 over the canonical JSON of every other field the signer "
+        "wrote, including fields of newer minor versions (keys sorted, no spaces, UTF-8 not "
+        "escaped, issued_at and expires_at as UTC YYYY-MM-DDTHH:MM:SS.ffffffZ). event_version: "
+        "the version of the event its decider judged; the agent applies the approval only while "
+        "the live event has that version. " + EVENT_VERSION_DEFINITION,
     )
     out["scheduled-events-document"] = _schema(
         ScheduledEventsDocument,
@@ -135,8 +140,13 @@ def asyncapi() -> dict[str, Any]:
                 "address": names.events_exchange,
                 "title": "Lifecycle stream (RabbitMQ)",
                 "description": (
-                    "Durable topic exchange, no arguments. Routing key "
-                    "`<type-suffix>.<EventType>.<vm>` (`started.Reboot.web-7`; agent messages "
+                    "Durable topic exchange with the argument `alternate-exchange` = "
+                    f"`{names.unrouted}` (a fanout exchange into the quorum queue of that name, "
+                    "which keeps what is published before any group exists and hands it to the "
+                    "first group declared). Routing key "
+                    "`<type>.<EventType>.<vm>`, always three words: the type with its dots as "
+                    "`-`, the VM's name in lower case last (`started.Reboot.web-7`, "
+                    "`approval-applied.Reboot.web-7`; agent messages "
                     "have `agent` as EventType). Each consumer group reads a durable quorum queue "
                     f"`{names.group_prefix}<group>` bound with `#`."
                 ),
@@ -160,8 +170,10 @@ def asyncapi() -> dict[str, Any]:
                 "address": names.approvals_exchange,
                 "title": "Approvals (RabbitMQ)",
                 "description": (
-                    "Durable direct exchange keyed by VM name; each agent consumes its durable "
-                    f"queue `{names.vm_prefix}<vm>` bound by its name, with a message TTL."
+                    "Durable topic exchange; the routing key is the VM's name as the last word "
+                    "of its lifecycle keys (lower case, `.` `*` `#` and spaces as `_`). Each "
+                    f"agent consumes its durable queue `{names.vm_prefix}<vm>` bound with that "
+                    "one key, with a message TTL; a VM's broker user may bind only its own key."
                 ),
                 "servers": [{"$ref": "#/servers/rabbitmq"}],
                 "messages": approval_ref,
@@ -170,7 +182,7 @@ def asyncapi() -> dict[str, Any]:
                         "is": "routingKey",
                         "exchange": {
                             "name": names.approvals_exchange,
-                            "type": "direct",
+                            "type": "topic",
                             "durable": True,
                             "autoDelete": False,
                             "vhost": "/",
@@ -257,7 +269,13 @@ def asyncapi() -> dict[str, Any]:
 
 def render_all() -> dict[Path, str]:
     """Every exported file's path (relative to the package) and text."""
-    import yaml  # the dev extra: exporting is a development step, not a runtime one
+    try:
+        import yaml  # the dev extra: exporting is a development step, not a runtime one
+    except ImportError as exc:
+        raise ConfigError(
+            "exporting the contract needs PyYAML, in the dev extra: "
+            "pip install 'scheduled-events-relay[dev]'"
+        ) from exc
 
     files = {
         Path("jsonschema") / f"{stem}.json": json.dumps(schema, indent=2, sort_keys=True) + "\n"

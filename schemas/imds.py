@@ -16,6 +16,7 @@ import email.utils
 import json
 from datetime import UTC, datetime
 from enum import StrEnum
+from functools import cached_property
 from typing import Annotated, Any
 
 from pydantic import (
@@ -25,7 +26,6 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     ValidationError,
     WithJsonSchema,
-    field_serializer,
     field_validator,
     model_serializer,
 )
@@ -116,8 +116,11 @@ class ScheduledEvent(BaseModel):
     event_type: str = Field(alias="EventType")
     resource_type: str = Field(default="VirtualMachine", alias="ResourceType")
     resources: tuple[str, ...] = Field(default=(), alias="Resources")
-    not_before: Annotated[
-        datetime | None,
+    #: ``NotBefore`` exactly as IMDS sent it: RFC 1123 in GMT, ``""`` once Started. A value that
+    #: is not a date is kept as sent (see :attr:`not_before_valid`): one bad field must not
+    #: blind the agent to every other event of the document.
+    not_before_text: Annotated[
+        str,
         WithJsonSchema(
             {
                 "type": "string",
@@ -125,21 +128,44 @@ class ScheduledEvent(BaseModel):
                 "the event started",
             }
         ),
-    ] = Field(default=None, alias="NotBefore")
+    ] = Field(default="", alias="NotBefore")
     description: str | None = Field(default=None, alias="Description")
     event_source: str | None = Field(default=None, alias="EventSource")
     duration_in_seconds: int = Field(default=-1, alias="DurationInSeconds")
 
-    @field_validator("not_before", mode="before")
+    @field_validator("not_before_text", mode="before")
     @classmethod
-    def _parse_not_before(cls, value: object) -> object:
+    def _keep_not_before(cls, value: object) -> object:
+        if value is None:
+            return ""
         if isinstance(value, str):
-            return parse_not_before(value)
-        return value
+            return value
+        # Not a string at all: kept as its JSON text, and not a valid date.
+        return json.dumps(value)
 
-    @field_serializer("not_before")
-    def _format_not_before(self, value: datetime | None) -> str:
-        return format_not_before(value)
+    @cached_property
+    def _parsed_not_before(self) -> tuple[datetime | None, bool]:
+        try:
+            return parse_not_before(self.not_before_text), True
+        except ValueError:
+            return None, False
+
+    @property
+    def not_before(self) -> datetime | None:
+        """NotBefore as an aware UTC datetime; None when there is none or it is not a date."""
+        return self._parsed_not_before[0]
+
+    @property
+    def not_before_valid(self) -> bool:
+        """False when IMDS sent a NotBefore that is not an RFC 1123 date (it is kept as sent)."""
+        return self._parsed_not_before[1]
+
+    @property
+    def not_before_key(self) -> str:
+        """NotBefore normalised for comparison: the date in the canonical RFC 1123 form, or the
+        text as sent when it is not a date."""
+        parsed, valid = self._parsed_not_before
+        return format_not_before(parsed) if valid else self.not_before_text
 
     @model_serializer(mode="wrap")
     def _wire_shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -7,8 +7,14 @@ Every message an agent publishes is one of four envelopes, chosen by its ``type`
 - :class:`AgentMessage`: ``agent.online``, ``agent.heartbeat``, ``agent.offline``
 - :class:`HookResultMessage`: ``hook.completed`` (a local hook ran on a transition)
 
-Ids are deterministic: the same transition of the same event on the same VM always gets the same
-id, across agent restarts, so consumers and Service Bus duplicate detection drop repeats.
+Ids are deterministic: the same transition of the same event on the same VM at the same point
+of the event's life (its revision) always gets the same id, across agent restarts, so consumers
+and Service Bus duplicate detection drop repeats; two different transitions never share one.
+
+:func:`decode` is the one way bytes become a message. It refuses what the contract does not
+allow before anything else sees it: more than :data:`MAX_MESSAGE_BYTES`, text that is not UTF-8,
+JSON nested deeper than the parser allows, the character U+0000 anywhere, a ``sequence`` above
+2^63 - 1. Every failure is a :class:`SchemaError`; nothing else escapes.
 
 >>> message = decode(raw_bytes)            # doctest: +SKIP
 >>> message.kind, message.data.vm.name     # doctest: +SKIP
@@ -17,17 +23,19 @@ id, across agent restarts, so consumers and Service Bus duplicate detection drop
 
 from __future__ import annotations
 
-import hashlib
-import json
+import re
 import uuid
 from datetime import datetime
+from enum import StrEnum
 from typing import Any, ClassVar, Literal, Self, TypeAlias
 
+import pydantic_core
 from pydantic import (
     AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
@@ -35,7 +43,8 @@ from pydantic import (
 )
 
 from ._errors import SchemaError
-from .channels import MessageType, ReplyAddress, routing_key
+from .channels import TYPE_PREFIX, MessageType, ReplyAddress, routing_key
+from .fingerprints import EVENT_VERSION_DEFINITION, content_fingerprint, event_version
 from .identity import VmIdentity
 from .imds import ScheduledEvent
 from .transitions import Transition
@@ -43,18 +52,26 @@ from .versioning import SCHEMA_VERSION, check_version
 
 __all__ = [
     "CLOUDEVENTS_CONTENT_TYPE",
+    "MAX_MESSAGE_BYTES",
+    "MAX_SEQUENCE",
     "AgentData",
     "AgentMessage",
     "ApprovalOutcomeData",
     "ApprovalOutcomeMessage",
+    "HookOutcome",
     "HookResultData",
     "HookResultMessage",
     "LifecycleMessage",
+    "NewerMessage",
     "TransitionData",
     "TransitionMessage",
     "UnknownMessageType",
+    "content_digest",
     "decode",
+    "decode_newer",
     "encode",
+    "expected_id",
+    "loads",
     "message_id",
 ]
 
@@ -62,6 +79,11 @@ __all__ = [
 CLOUDEVENTS_CONTENT_TYPE = "application/cloudevents+json"
 
 _ID_NAMESPACE = uuid.UUID("5c1d7a3e-94a4-4b0e-8f35-3a7d0c2b9e61")
+
+#: The largest message the contract allows (Service Bus Standard's limit; ours are ~2 KB).
+MAX_MESSAGE_BYTES = 256 * 1024
+#: The largest ``sequence``: a signed 64-bit integer, what every database and language stores.
+MAX_SEQUENCE = 2**63 - 1
 
 
 class UnknownMessageType(SchemaError):
@@ -71,6 +93,69 @@ class UnknownMessageType(SchemaError):
 def message_id(*parts: str) -> str:
     """A deterministic UUID from the parts that identify one happening."""
     return str(uuid.uuid5(_ID_NAMESPACE, "\x1f".join(parts)))
+
+
+def _outcome_id(data: ApprovalOutcomeData, kind: MessageType) -> str:
+    parts = [data.vm.source, data.approval_id, kind.value]
+    if data.epoch:
+        parts.append(data.epoch)
+    return message_id(*parts)
+
+
+def _hook_id(data: HookResultData) -> str:
+    # One run of one hook for one transition (the transition's id is unique to its point in the
+    # event's life).
+    about = data.transition_id or f"{data.event.event_id}/{data.transition}"
+    return message_id(
+        data.vm.source, about, MessageType.HOOK_COMPLETED.value, data.hook, str(data.attempt)
+    )
+
+
+def expected_id(message: LifecycleMessage) -> str | None:
+    """The id a message must carry, computed from its own content: an agent derives every id
+    from its VM's ``source`` and what happened, so a message whose id is not this one was not
+    built by an agent of that VM (or was changed after). None where the message does not say
+    enough to tell (messages of schema 1.0)."""
+    data = message.data
+    if isinstance(message, TransitionMessage):
+        if message.data.revision is None:
+            return None
+        return message_id(
+            message.source,
+            message.data.event.event_id,
+            message.kind.value,
+            f"r{message.data.revision}",
+        )
+    if isinstance(message, ApprovalOutcomeMessage):
+        if message.data.epoch is None:
+            return None
+        return _outcome_id(message.data, message.kind)
+    if isinstance(message, HookResultMessage):
+        if message.data.transition_id is None:
+            return None
+        return _hook_id(message.data)
+    assert isinstance(data, AgentData)
+    if data.instance is None:
+        return None
+    return message_id(message.source, message.kind.value, data.instance, message.time.isoformat())
+
+
+#: Data fields that say when, not what: two messages that differ only there are one happening.
+_VOLATILE = frozenset({"document_incarnation", "uptime_seconds", "outbox_depth"})
+
+
+def content_digest(message: LifecycleMessage | NewerMessage) -> str:
+    """What a message says, as a digest: its type, source, subject and data, without the fields
+    that only say when it was observed (the sequence, the time, the document incarnation). A
+    repeat of a happening (a redelivery, a replay, the same transition announced again after
+    the agent's state was lost) has the same digest; another message under the same id does
+    not, and is an id conflict."""
+    data = message.model_dump(mode="json")["data"]
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k not in _VOLATILE}
+    return content_fingerprint(
+        {"type": message.type, "source": message.source, "subject": message.subject, "data": data}
+    )
 
 
 def dataschema_uri(name: str) -> str:
@@ -92,6 +177,15 @@ class TransitionData(_Data):
     previous_status: str | None
     document_incarnation: int
     reply_to: ReplyAddress
+    #: (1.1) :func:`~schemas.fingerprints.event_version` of ``event``: what an approval of this
+    #: version must name. Consumers may recompute it from ``event``.
+    event_version: str | None = Field(
+        default=None,
+        description="(1.1) The version of `event` an approval must name. "
+        + EVENT_VERSION_DEFINITION,
+    )
+    #: (1.1) The event's revision on this VM: 0 for the first report, then one more each time.
+    revision: int | None = Field(default=None, ge=0, le=MAX_SEQUENCE)
 
 
 class ApprovalOutcomeData(_Data):
@@ -106,6 +200,16 @@ class ApprovalOutcomeData(_Data):
     dry_run: bool = False
     event: ScheduledEvent | None = None
     reply_to: ReplyAddress
+    #: (1.1) The version of the event the approval named.
+    event_version: str | None = Field(
+        default=None, description="(1.1) The event version the approval named."
+    )
+    #: (1.1) True when this approval (or another one of this event) may have been applied before:
+    #: the POST was repeated, which IMDS takes as a no-op.
+    repeat: bool = False
+    #: (1.1) Names the agent's state store: an approval handled again after the state was lost
+    #: is a new happening (its outcome gets a new id).
+    epoch: str | None = None
 
 
 class AgentData(_Data):
@@ -120,6 +224,20 @@ class AgentData(_Data):
     document_incarnation: int | None = None
     #: ``agent.offline`` only: why it stops (``SIGTERM``, ...).
     reason: str | None = None
+    #: (1.1) Names this run of the agent (with ``time`` it makes the message's id).
+    instance: str | None = None
+
+
+class HookOutcome(StrEnum):
+    """How a local hook run ended."""
+
+    OK = "ok"
+    FAILED = "failed"
+    TIMED_OUT = "timed-out"
+    #: The command could not be started at all.
+    NOT_STARTED = "not-started"
+    #: The agent stopped (crash, kill -9, power loss) while the hook ran: its result is unknown.
+    INTERRUPTED = "interrupted"
 
 
 class HookResultData(_Data):
@@ -133,9 +251,17 @@ class HookResultData(_Data):
     #: The last lines of the hook's output, for a person reading the audit.
     output_tail: str = ""
     reply_to: ReplyAddress
+    #: (1.1) How the run ended; absent in 1.0 messages (then read ``exit_code`` and ``timed_out``).
+    outcome: str | None = None
+    #: (1.1) The id of the transition message the hook ran for.
+    transition_id: str | None = None
+    #: (1.1) Which run of this hook for this transition (a run cut off by a crash may be repeated).
+    attempt: int = Field(default=1, ge=1)
 
     @property
     def succeeded(self) -> bool:
+        if self.outcome is not None:
+            return self.outcome == HookOutcome.OK
         return self.exit_code == 0 and not self.timed_out
 
 
@@ -150,7 +276,7 @@ class _Envelope(BaseModel):
     kinds: ClassVar[frozenset[MessageType]] = frozenset()
     schema_name: ClassVar[str] = ""
 
-    specversion: Literal["1.0"] = "1.0"
+    specversion: Literal["1.0"]
     id: str = Field(min_length=1)
     source: str = Field(min_length=1)
     type: str
@@ -159,8 +285,10 @@ class _Envelope(BaseModel):
     datacontenttype: Literal["application/json"] = "application/json"
     dataschema: str
     #: Per-agent counter that never goes backwards: a consumer can see gaps.
-    sequence: int = Field(ge=0)
-    schemaversion: str = SCHEMA_VERSION
+    sequence: int = Field(ge=0, le=MAX_SEQUENCE)
+    schemaversion: str
+    #: The bytes this message was decoded from (None for one built here).
+    _received: bytes | None = PrivateAttr(default=None)
 
     @field_validator("type")
     @classmethod
@@ -206,6 +334,21 @@ class _Envelope(BaseModel):
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
 
+    @property
+    def received_bytes(self) -> bytes | None:
+        """The bytes :func:`decode` read, with every field of a newer minor version; None for a
+        message built in this process."""
+        return self._received
+
+    def __eq__(self, other: object) -> bool:
+        # The same message whether it was built here or decoded (the received bytes aside).
+        if not isinstance(other, _Envelope):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.id))
+
     def with_sequence(self, sequence: int) -> Self:
         return self.model_copy(update={"sequence": sequence})
 
@@ -227,12 +370,11 @@ class TransitionMessage(_Envelope):
     ) -> TransitionMessage:
         kind = MessageType(transition.kind.value)
         event = transition.event
-        parts = [vm.source, event.event_id, kind.value]
-        if kind is MessageType.UPDATED:
-            # Several updates of one event are distinct happenings: the content tells them apart.
-            parts.append(_fingerprint(event.to_imds()))
         return cls(
-            id=message_id(*parts),
+            specversion="1.0",
+            schemaversion=SCHEMA_VERSION,
+            # The revision tells apart every point of the event's life, updates included.
+            id=message_id(vm.source, event.event_id, kind.value, f"r{transition.revision}"),
             source=vm.source,
             type=kind.cloudevents_type,
             subject=event.event_id,
@@ -245,6 +387,8 @@ class TransitionMessage(_Envelope):
                 previous_status=transition.previous_status,
                 document_incarnation=transition.incarnation,
                 reply_to=reply_to,
+                event_version=event_version(event),
+                revision=transition.revision,
             ),
         )
 
@@ -260,7 +404,9 @@ class ApprovalOutcomeMessage(_Envelope):
     ) -> ApprovalOutcomeMessage:
         kind = MessageType.APPROVAL_APPLIED if data.applied else MessageType.APPROVAL_REJECTED
         return cls(
-            id=message_id(data.vm.source, data.approval_id, kind.value),
+            specversion="1.0",
+            schemaversion=SCHEMA_VERSION,
+            id=_outcome_id(data, kind),
             source=data.vm.source,
             type=kind.cloudevents_type,
             subject=data.event_id,
@@ -288,7 +434,10 @@ class AgentMessage(_Envelope):
     ) -> AgentMessage:
         """``instance`` names this run of the agent; with ``observed_at`` it identifies the
         message, so a replay of the stored message keeps its id."""
+        data = data.model_copy(update={"instance": instance})
         return cls(
+            specversion="1.0",
+            schemaversion=SCHEMA_VERSION,
             id=message_id(data.vm.source, kind.value, instance, observed_at.isoformat()),
             source=data.vm.source,
             type=kind.cloudevents_type,
@@ -310,13 +459,9 @@ class HookResultMessage(_Envelope):
         cls, data: HookResultData, *, observed_at: datetime, sequence: int = 0
     ) -> HookResultMessage:
         return cls(
-            id=message_id(
-                data.vm.source,
-                data.event.event_id,
-                MessageType.HOOK_COMPLETED.value,
-                data.transition,
-                data.hook,
-            ),
+            specversion="1.0",
+            schemaversion=SCHEMA_VERSION,
+            id=_hook_id(data),
             source=data.vm.source,
             type=MessageType.HOOK_COMPLETED.cloudevents_type,
             subject=data.event.event_id,
@@ -343,9 +488,43 @@ _BY_KIND: dict[MessageType, type[_Envelope]] = {
 }
 
 
-def _fingerprint(value: object) -> str:
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+class NewerMessage(BaseModel):
+    """A well-formed lifecycle message of a type this version does not know, in a major version
+    it reads: a newer minor version added the type. Kept whole (``received_bytes``) for a
+    consumer that records everything (the audit); the others skip it."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    specversion: Literal["1.0"]
+    id: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    type: str
+    subject: str | None = None
+    time: AwareDatetime
+    sequence: int = Field(ge=0, le=MAX_SEQUENCE)
+    schemaversion: str
+    data: dict[str, Any] = Field(default_factory=dict)
+    _received: bytes = PrivateAttr(default=b"")
+
+    @field_validator("schemaversion")
+    @classmethod
+    def _readable_version(cls, value: str) -> str:
+        return check_version(value)
+
+    @property
+    def kind_name(self) -> str:
+        """The type without the project's prefix (``approval.expired``, say)."""
+        return self.type.removeprefix(TYPE_PREFIX + ".")
+
+    @property
+    def vm_name(self) -> str:
+        vm = self.data.get("vm")
+        name = vm.get("name") if isinstance(vm, dict) else None
+        return name if isinstance(name, str) and name else self.source
+
+    @property
+    def received_bytes(self) -> bytes:
+        return self._received
 
 
 def encode(message: LifecycleMessage) -> bytes:
@@ -353,22 +532,79 @@ def encode(message: LifecycleMessage) -> bytes:
     return message.to_bytes()
 
 
+# The type read off the bytes to pick the envelope for the one-pass parse (a hint only: the
+# envelope validates the real top-level type, so a "type" elsewhere cannot fool it).
+_TYPE = re.compile(rb'"type"\s*:\s*"([^"\\]{1,200})"')
+_BY_TYPE: dict[bytes, type[_Envelope]] = {
+    kind.cloudevents_type.encode(): envelope for kind, envelope in _BY_KIND.items()
+}
+# U+0000 escaped in a JSON string (an odd number of backslashes before "u0000"): the character
+# that no database text type stores. A raw NUL byte is not valid JSON in the first place.
+_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def _screen(raw: bytes | str) -> bytes:
+    """The checks that come before any parsing; returns the bytes to parse."""
+    data = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise SchemaError(
+            f"too large: {len(data)} bytes, the contract allows at most {MAX_MESSAGE_BYTES}"
+        )
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SchemaError(f"not JSON: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    # The substring first: the pattern (a look-behind at every position) costs about 45 us on
+    # a 1 KiB message, two thirds of a whole decode; the substring test about 1 us.
+    if b"\\u0000" in data and _NUL.search(data):
+        raise SchemaError("the character U+0000 is not allowed in a message")
+    return data
+
+
+def loads(raw: bytes | str) -> object:
+    """JSON as the contract reads it: pydantic's parser (the one the one-pass path uses, so
+    both paths agree), no NaN or Infinity, no lone surrogate, a bounded depth; the checks of
+    :func:`decode` first. :class:`SchemaError` for anything else."""
+    data = _screen(raw)
+    try:
+        return pydantic_core.from_json(data, allow_inf_nan=False)
+    except (ValueError, RecursionError) as exc:
+        raise SchemaError(f"not JSON: {exc}") from exc
+
+
 def decode(raw: bytes | str) -> LifecycleMessage:
     """Parse and validate one lifecycle message.
 
-    Raises :class:`SchemaError` (not JSON, not a CloudEvent, invalid), :class:`VersionMismatch`
-    (another major version) or :class:`UnknownMessageType`.
+    Raises :class:`SchemaError` (too large, not JSON, not a CloudEvent, invalid),
+    :class:`VersionMismatch` (another major version) or :class:`UnknownMessageType`; never
+    anything else, whatever the input.
     """
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise SchemaError(f"not JSON: {exc}") from exc
-    if not isinstance(data, dict):
+    data = _screen(raw)
+    match = _TYPE.search(data)
+    envelope = _BY_TYPE.get(match.group(1)) if match is not None else None
+    if envelope is not None:
+        # The common case in one pass of pydantic's JSON parser. It checks everything the slow
+        # path checks; on any failure the slow path decides what to say.
+        try:
+            fast = envelope.model_validate_json(data)
+        except (ValueError, RecursionError):
+            pass
+        else:
+            fast._received = data
+            return fast  # type: ignore[return-value]
+    return _decode_slowly(data)
+
+
+def _decode_slowly(data: bytes) -> LifecycleMessage:
+    parsed = loads(data)
+    if not isinstance(parsed, dict):
         raise SchemaError("not a CloudEvent: the JSON is not an object")
-    if data.get("specversion") != "1.0":
-        raise SchemaError(f"not a CloudEvents 1.0 event (specversion={data.get('specversion')!r})")
-    check_version(data.get("schemaversion"))
-    type_ = data.get("type")
+    if parsed.get("specversion") != "1.0":
+        raise SchemaError(
+            f"not a CloudEvents 1.0 event (specversion={parsed.get('specversion')!r})"
+        )
+    check_version(parsed.get("schemaversion"))
+    type_ = parsed.get("type")
     if not isinstance(type_, str):
         raise SchemaError("not a CloudEvent: no type")
     kind = MessageType.from_cloudevents_type(type_)
@@ -376,8 +612,26 @@ def decode(raw: bytes | str) -> LifecycleMessage:
         raise UnknownMessageType(f"unknown message type {type_!r}")
     envelope = _BY_KIND[kind]
     try:
-        message = envelope.model_validate(data)
-    except ValidationError as exc:
+        message = envelope.model_validate(parsed)
+    except (ValidationError, RecursionError) as exc:
         raise SchemaError(f"invalid {kind.value} message: {exc}") from exc
+    message._received = data
     assert isinstance(message, LifecycleMessage)
+    return message
+
+
+def decode_newer(raw: bytes | str) -> NewerMessage:
+    """A message :func:`decode` refused as :class:`UnknownMessageType`, read as a
+    :class:`NewerMessage` when its type has our prefix; :class:`SchemaError` otherwise."""
+    data = _screen(raw)
+    parsed = loads(data)
+    if not isinstance(parsed, dict) or not str(parsed.get("type", "")).startswith(
+        TYPE_PREFIX + "."
+    ):
+        raise SchemaError("not a lifecycle message of this project")
+    try:
+        message = NewerMessage.model_validate(parsed)
+    except (ValidationError, RecursionError) as exc:
+        raise SchemaError(f"invalid message of a newer type: {exc}") from exc
+    message._received = data
     return message

@@ -17,17 +17,24 @@ incarnation with the same events
 
 ``current`` must be a document IMDS really returned: an IMDS error or timeout is an exception
 in the caller, never an empty document, so it can never cancel or complete every event.
+
+Every transition carries the event's **revision**: 0 for the first transition an agent reports
+about an event, then one more for each next one. With the event and the VM it identifies the
+point of the event's life, so two different transitions never share a message id (an
+``updated`` back to earlier content is a new revision), while the same transition computed
+again from the same stored state keeps its id. :func:`revisions_after` carries the counters from
+one document to the next; the agent stores them with the document, in the same transaction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
 from .imds import EventStatus, ScheduledEvent, ScheduledEventsDocument
 
-__all__ = ["Transition", "TransitionKind", "diff"]
+__all__ = ["GONE_REVISIONS_KEPT", "Transition", "TransitionKind", "diff", "revisions_after"]
 
 
 class TransitionKind(StrEnum):
@@ -51,11 +58,13 @@ class Transition:
     event: ScheduledEvent
     previous_status: str | None
     incarnation: int
+    #: The event's revision this transition makes (see the module docstring).
+    revision: int = 0
 
 
 def _compared(event: ScheduledEvent) -> tuple[object, ...]:
     return (
-        event.not_before,
+        event.not_before_key,
         tuple(sorted(r.casefold() for r in event.resources)),
         event.description,
         event.duration_in_seconds,
@@ -75,30 +84,69 @@ def _change(before: ScheduledEvent, after: ScheduledEvent) -> TransitionKind | N
 
 
 def diff(
-    previous: ScheduledEventsDocument | None, current: ScheduledEventsDocument
+    previous: ScheduledEventsDocument | None,
+    current: ScheduledEventsDocument,
+    revisions: Mapping[str, int] | None = None,
 ) -> list[Transition]:
     """The transitions from ``previous`` (None: nothing was known yet) to ``current``,
-    new and changed events in document order first, then the ones that disappeared."""
+    new and changed events in document order first, then the ones that disappeared.
+
+    ``revisions`` holds the last revision reported for each event (from
+    :func:`revisions_after`); an event it does not hold starts at revision 0."""
+    last = revisions or {}
     before: dict[str, ScheduledEvent] = {e.event_id: e for e in _events(previous)}
     seen: set[str] = set()
     out: list[Transition] = []
+
+    def add(kind: TransitionKind, event: ScheduledEvent, status: str | None) -> None:
+        revision = last[event.event_id] + 1 if event.event_id in last else 0
+        out.append(Transition(kind, event, status, current.document_incarnation, revision))
+
     for event in current.events:
         if event.event_id in seen:  # IMDS never repeats an id; if it did, the first one counts
             continue
         seen.add(event.event_id)
         old = before.get(event.event_id)
         if old is None:
-            kind = TransitionKind.STARTED if event.is_started else TransitionKind.SCHEDULED
-            out.append(Transition(kind, event, None, current.document_incarnation))
+            add(
+                TransitionKind.STARTED if event.is_started else TransitionKind.SCHEDULED,
+                event,
+                None,
+            )
             continue
         changed = _change(old, event)
         if changed is not None:
-            out.append(Transition(changed, event, old.event_status, current.document_incarnation))
+            add(changed, event, old.event_status)
     for event_id, old in before.items():
         if event_id not in seen:
             kind = TransitionKind.COMPLETED if old.is_started else TransitionKind.CANCELED
-            out.append(Transition(kind, old, old.event_status, current.document_incarnation))
+            add(kind, old, old.event_status)
     return out
+
+
+#: How many events no longer in the document keep their revision counter (an EventId that
+#: comes back continues its count instead of reusing the ids of its first life).
+GONE_REVISIONS_KEPT = 1000
+
+
+def revisions_after(
+    revisions: Mapping[str, int] | None,
+    transitions: Iterable[Transition],
+    current: ScheduledEventsDocument,
+    *,
+    keep_gone: int = GONE_REVISIONS_KEPT,
+) -> dict[str, int]:
+    """The revision counters once ``transitions`` (from :func:`diff`) are reported: every event
+    of ``current`` first, then the ``keep_gone`` most recently finished ones."""
+    updated = dict(revisions or {})
+    for transition in transitions:
+        updated.pop(transition.event.event_id, None)  # re-inserted last: most recent
+        updated[transition.event.event_id] = transition.revision
+    live = {event.event_id for event in current.events}
+    gone = [event_id for event_id in updated if event_id not in live]
+    for event_id in gone[: max(len(gone) - keep_gone, 0)]:
+        del updated[event_id]
+    return updated
 
 
 def _events(document: ScheduledEventsDocument | None) -> Iterable[ScheduledEvent]:

@@ -3,7 +3,7 @@
 ``open_transport(url)`` picks the implementation from the URL and imports only that backend:
 
 ==================================================  ==========================================
-``memory://`` or ``memory://NAME``                  :class:`MemoryTransport` (one process)
+``memory://NAME`` or ``memory://USER@NAME``         :class:`MemoryTransport` (one process)
 ``amqp://user:pass@host:5672/vhost``, ``amqps://``  RabbitMQ (aio-pika; the ``rabbitmq`` extra)
 ``Endpoint=sb://NS.servicebus.windows.net/;...``    Azure Service Bus with a connection string
 ``sb://NS.servicebus.windows.net``                  Azure Service Bus, ``DefaultAzureCredential``
@@ -17,11 +17,18 @@ from urllib.parse import urlsplit
 from .._errors import ConfigError
 from ..channels import DEFAULT_CHANNELS, ChannelNames
 from ._base import AsyncResource, Delivery, OutgoingMessage, Subscription, Transport
-from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON, MemoryBroker, MemoryTransport
+from .memory import (
+    DEAD_LETTER_DESCRIPTION,
+    DEAD_LETTER_REASON,
+    ORIGINAL_SENDER,
+    MemoryBroker,
+    MemoryTransport,
+)
 
 __all__ = [
     "DEAD_LETTER_DESCRIPTION",
     "DEAD_LETTER_REASON",
+    "ORIGINAL_SENDER",
     "AsyncResource",
     "Delivery",
     "MemoryBroker",
@@ -70,12 +77,15 @@ def redact(url: str) -> str:
     return text
 
 
-def open_transport(url: str, channels: ChannelNames = DEFAULT_CHANNELS) -> Transport:
-    """The transport for ``url``, not yet connected (use ``async with``)."""
+def open_transport(
+    url: str, channels: ChannelNames = DEFAULT_CHANNELS, *, name: str | None = None
+) -> Transport:
+    """The transport for ``url``, not yet connected (use ``async with``). ``name`` is the
+    connection name operators see on the broker (RabbitMQ), unless the URL sets one."""
     kind = broker_kind(url)
     if kind == "memory":
-        name = urlsplit(url.strip()).netloc or "default"
-        return MemoryTransport(name, channels)
+        user, at, name = urlsplit(url.strip()).netloc.rpartition("@")
+        return MemoryTransport(name or "default", channels, user=user if at else None)
     if kind == "rabbitmq":
         try:
             from .rabbitmq import RabbitMQTransport
@@ -83,7 +93,9 @@ def open_transport(url: str, channels: ChannelNames = DEFAULT_CHANNELS) -> Trans
             raise ConfigError(
                 "RabbitMQ needs aio-pika: pip install 'scheduled-events-relay[rabbitmq]'"
             ) from exc
-        return RabbitMQTransport(url, channels)
+        from ._amqp_settings import AmqpSettings
+
+        return RabbitMQTransport(url, channels, settings=AmqpSettings(name=name) if name else None)
     try:
         from .servicebus import ServiceBusTransport
     except ImportError as exc:

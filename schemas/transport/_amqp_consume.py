@@ -28,11 +28,11 @@ import aiormq.exceptions
 from pamqp import commands as spec
 
 from .._errors import TransportError
-from ._amqp_errors import FAILURES, LINK_ERRORS, is_spurious_cancel, reason
+from ._amqp_errors import FAILURES, LINK_ERRORS, is_spurious_cancel, reason, uninterrupted
 from ._base import PropertyValue
-from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON
+from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON, ORIGINAL_SENDER
 
-__all__ = ["AmqpDelivery", "AmqpSubscription"]
+__all__ = ["ORIGINAL_SENDER", "AmqpDelivery", "AmqpSubscription"]
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +45,23 @@ ChannelFn = Callable[[int], Awaitable[aio_pika.abc.AbstractRobustChannel]]
 AttachFn = Callable[[aio_pika.abc.AbstractRobustChannel], Awaitable[object]]
 
 _DELIVERY_COUNT = "x-delivery-count"
+#: The broker's record of each time it dead-lettered a message, the latest first.
+_DEATHS = "x-death"
 _FIRST_DEATH_REASON = "x-first-death-reason"
 _FIRST_DEATH_QUEUE = "x-first-death-queue"
 _CLOSE_TIMEOUT = 5.0
 _CONSUME_TIMEOUT = 10.0
 
 
-def _properties(headers: Mapping[str, object]) -> dict[str, PropertyValue]:
-    """Application headers as plain values; the broker's own ``x-`` headers are left out."""
+def _properties(
+    headers: Mapping[str, object], *, dead_letter: bool, sender: str | None
+) -> dict[str, PropertyValue]:
+    """Application headers as plain values; the broker's own ``x-`` headers are left out.
+
+    A dead letter (``dead_letter``) the broker moved itself (delivery limit, expiry) says why
+    the same way as one a consumer dead-lettered, and names its original sender: the broker
+    kept its validated ``user_id``. Elsewhere the broker's dead-lettering records mean nothing
+    to the reader (a message handed on from the catch-all queue carries one)."""
     result: dict[str, PropertyValue] = {}
     for key, value in headers.items():
         if key.startswith("x-"):
@@ -64,13 +73,32 @@ def _properties(headers: Mapping[str, object]) -> dict[str, PropertyValue]:
                 log.debug("header %s is not UTF-8 text: left out", key)
         elif isinstance(value, str | int | float | bool):
             result[key] = value
-    if DEAD_LETTER_REASON not in result and _FIRST_DEATH_REASON in headers:
-        # Dead-lettered by the broker itself (delivery limit, expiry): say so the same way.
-        result[DEAD_LETTER_REASON] = str(headers[_FIRST_DEATH_REASON])
-        result[DEAD_LETTER_DESCRIPTION] = (
-            f"dead-lettered by RabbitMQ from {headers.get(_FIRST_DEATH_QUEUE, 'its queue')}"
-        )
+    if dead_letter and DEAD_LETTER_REASON not in result:
+        death = _latest_death(headers)
+        if death is not None:
+            result[DEAD_LETTER_REASON], queue = death
+            result[DEAD_LETTER_DESCRIPTION] = f"dead-lettered by RabbitMQ from {queue}"
+            if sender is not None:
+                result.setdefault(ORIGINAL_SENDER, sender)
     return result
+
+
+def _latest_death(headers: Mapping[str, object]) -> tuple[str, str] | None:
+    """(reason, queue) of the last time the broker dead-lettered the message."""
+    deaths = headers.get(_DEATHS)
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        latest = deaths[0]
+        return _text(latest.get("reason")), _text(latest.get("queue", "its queue"))
+    if _FIRST_DEATH_REASON in headers:
+        return (
+            _text(headers[_FIRST_DEATH_REASON]),
+            _text(headers.get(_FIRST_DEATH_QUEUE, "its queue")),
+        )
+    return None
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class AmqpDelivery:
@@ -102,7 +130,9 @@ class AmqpDelivery:
     @property
     def properties(self) -> Mapping[str, PropertyValue]:
         if self._properties is None:
-            self._properties = _properties(self._headers)
+            self._properties = _properties(
+                self._headers, dead_letter=self._owner.reads_dead_letters, sender=self.sender
+            )
         return self._properties
 
     @property
@@ -117,6 +147,12 @@ class AmqpDelivery:
         if isinstance(count, int) and not isinstance(count, bool):
             return count
         return 1 if self._deliver.redelivered else 0
+
+    @property
+    def sender(self) -> str | None:
+        # RabbitMQ refuses a publish whose user_id is not the connection's user: validated.
+        user_id: str | None = self._header.user_id
+        return user_id or None
 
     def _claim(self) -> None:
         if self._settled:
@@ -178,6 +214,8 @@ class AmqpDelivery:
         headers = {k: v for k, v in self._headers.items() if not k.startswith("x-")}
         headers[DEAD_LETTER_REASON] = reason
         headers[DEAD_LETTER_DESCRIPTION] = description
+        if self.sender is not None:  # the copy is published by this consumer's own user
+            headers[ORIGINAL_SENDER] = self.sender
         header = self._header
         copy = aio_pika.Message(
             body=self.body,
@@ -214,9 +252,12 @@ class AmqpSubscription:
         dead_letter_exchange: str | None,
         on_close: Callable[[AmqpSubscription], None],
         start_timeout: float,
+        reads_dead_letters: bool = False,
     ) -> None:
         self.queue_name = queue_name
         self.dead_letter_exchange = dead_letter_exchange
+        #: A dead-letter queue: deliveries say why the broker dead-lettered them.
+        self.reads_dead_letters = reads_dead_letters
         self.publish = publish
         self._prefetch = prefetch
         self._declare = declare
@@ -240,24 +281,28 @@ class AmqpSubscription:
         async with self._start_lock:
             if self._started or self._closed:
                 return
-            await self._declare()
-            channel = await self._open_channel(self._prefetch)
-            try:
-                async with asyncio.timeout(self._start_timeout):
-                    await self._attach(channel)
-                    await self._consume(await channel.get_underlay_channel())
-            except asyncio.CancelledError as exc:
-                await self._close_channel(channel)
-                if not is_spurious_cancel(exc):
-                    raise
-                raise TransportError(f"consuming {self.queue_name} failed: link lost") from exc
-            except FAILURES as exc:
-                await self._close_channel(channel)
-                raise TransportError(f"consuming {self.queue_name} failed: {reason(exc)}") from exc
-            channel.reopen_callbacks.add(self._on_reopen)
-            self._channel = channel
-            self._started = True
-            log.debug("consuming %s (prefetch %d)", self.queue_name, self._prefetch)
+            # A cancel (a stop) waits for the exchange to end, then close() undoes it.
+            await uninterrupted(self._start())
+
+    async def _start(self) -> None:
+        await self._declare()
+        channel = await self._open_channel(self._prefetch)
+        try:
+            async with asyncio.timeout(self._start_timeout):
+                await self._attach(channel)
+                await self._consume(await channel.get_underlay_channel())
+        except asyncio.CancelledError as exc:
+            await self._close_channel(channel)
+            if not is_spurious_cancel(exc):
+                raise
+            raise TransportError(f"consuming {self.queue_name} failed: link lost") from exc
+        except FAILURES as exc:
+            await self._close_channel(channel)
+            raise TransportError(f"consuming {self.queue_name} failed: {reason(exc)}") from exc
+        channel.reopen_callbacks.add(self._on_reopen)
+        self._channel = channel
+        self._started = True
+        log.debug("consuming %s (prefetch %d)", self.queue_name, self._prefetch)
 
     async def _consume(self, channel: aiormq.abc.AbstractChannel) -> None:
         channel.on_consumer_cancel_callbacks.add(self._on_cancelled)
@@ -337,7 +382,7 @@ class AmqpSubscription:
             channel, self._channel = self._channel, None
         if channel is not None:
             channel.reopen_callbacks.discard(self._on_reopen)
-            await self._close_channel(channel)
+            await uninterrupted(self._close_channel(channel))
 
     async def _close_channel(self, channel: aio_pika.abc.AbstractRobustChannel) -> None:
         if channel.is_closed:

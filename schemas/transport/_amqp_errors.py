@@ -8,13 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import aiormq.exceptions
 import pamqp.exceptions
 
-from .._errors import ConfigError
+from .._errors import ConfigError, MessageRefused, PublishNotConfirmed
 
-__all__ = ["FAILURES", "LINK_ERRORS", "REFUSALS", "config_error", "is_spurious_cancel", "reason"]
+__all__ = [
+    "FAILURES",
+    "LINK_ERRORS",
+    "MESSAGE_REFUSALS",
+    "REFUSALS",
+    "config_error",
+    "is_spurious_cancel",
+    "reason",
+    "refused",
+    "uninterrupted",
+]
+
+T = TypeVar("T")
 
 #: The connection or channel went away under an operation.
 LINK_ERRORS: tuple[type[BaseException], ...] = (
@@ -41,6 +55,17 @@ REFUSALS: tuple[type[BaseException], ...] = (
     aiormq.exceptions.ChannelPreconditionFailed,
 )
 
+#: On a publish, the broker refused that message for what it carries (ACCESS_REFUSED: a routing
+#: key the user's topic permissions forbid; PRECONDITION_FAILED: a ``user_id`` that is not the
+#: login's, a message over ``max_message_size``): the next one may well go through.
+MESSAGE_REFUSALS: tuple[type[BaseException], ...] = (
+    aiormq.exceptions.ChannelAccessRefused,
+    aiormq.exceptions.ChannelPreconditionFailed,
+)
+
+#: RabbitMQ's words for a message over ``max_message_size`` (PRECONDITION_FAILED).
+_TOO_LARGE = re.compile(r"message size \d+ is larger than configured max size")
+
 _INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'")
 
 
@@ -49,6 +74,28 @@ def is_spurious_cancel(exc: asyncio.CancelledError) -> bool:
     task nobody cancelled, and means "link lost", not "stop"."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0
+
+
+async def uninterrupted(exchange: Coroutine[Any, Any, T]) -> T:
+    """Run an exchange with the broker (opening a channel and consuming, closing one) to its
+    end even when the caller is cancelled meanwhile, then pass the cancel on.
+
+    aiormq answers a cancelled RPC by closing its channel at once; when that races the
+    channel's own opening or closing, RabbitMQ closes the whole *connection*
+    (``CHANNEL_ERROR - expected 'channel.open'``), which costs every other channel on it a
+    reconnect, and the cancel surfaced as a link error the caller would retry. Each step has
+    its own timeout, so waiting for the end is bounded. A second cancel stops waiting.
+    """
+    inner = asyncio.ensure_future(exchange)
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        if inner.done():
+            raise
+        await asyncio.wait({inner})
+        if not inner.cancelled():
+            inner.exception()  # retrieved: the cancel is what the caller gets
+        raise
 
 
 def reason(exc: BaseException) -> str:
@@ -60,6 +107,20 @@ def reason(exc: BaseException) -> str:
             return str(reply_text)
     text = str(exc) or type(exc).__name__
     return text
+
+
+def refused(exc: BaseException, what: str) -> PublishNotConfirmed:
+    """The error for a message the broker refused for what it carries (a MESSAGE_REFUSALS).
+
+    Only a message over the broker's size limit is :class:`MessageRefused` (never taken,
+    however often sent: the sender sets it aside). A ``user_id`` that is not the login's or a
+    routing key the topic permissions forbid refuses every message of that publisher alike
+    until an operator fixes the settings or the permissions: the sender keeps them and retries.
+    """
+    text = reason(exc)
+    if _TOO_LARGE.search(text):
+        return MessageRefused(f"{what}: RabbitMQ will never take it: {text}")
+    return PublishNotConfirmed(f"{what}: RabbitMQ refused it: {text}")
 
 
 def config_error(exc: BaseException, entity: str, hint: str) -> ConfigError:

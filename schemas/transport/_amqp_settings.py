@@ -13,6 +13,12 @@ Options go in the URL query, so one string configures a deployment::
 ``approval_ttl``       600 s how long an approval waits in a VM's queue
 ``delivery_limit``     20    deliveries of a group message before the broker dead-letters it
 ``name``               ...   the connection name operators see in the management UI
+``declare``            all   ``passive``: check the shared exchanges exist instead of declaring
+                             them (a broker user that may not configure them: a VM's)
+``user_id``            login the ``user_id`` property of every message published: RabbitMQ
+                             refuses a publish whose ``user_id`` is not the connection's
+                             user, so consumers know who sent it; empty: not set (EXTERNAL
+                             authentication, where the login is not in the URL)
 ==================== ======= ==============================================================
 
 TLS options of the underlying client (``cafile``, ``capath``, ``cadata``, ``certfile``,
@@ -25,7 +31,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass, fields, replace
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from .._errors import ConfigError
 
@@ -52,6 +58,12 @@ class AmqpSettings:
     approval_ttl: float = 600.0
     delivery_limit: int = 20
     name: str = ""
+    #: None: the URL's user (``guest`` without one); "": not set.
+    user_id: str | None = None
+    #: ``all``: declare the shared exchanges and the catch-all (whoever comes first creates
+    #: them); ``passive``: only check they exist, for a least-privilege agent whose broker user
+    #: may configure nothing but its own queue (the central services declare them).
+    declare: str = "all"
 
     def __post_init__(self) -> None:
         for name in ("reconnect_interval", "reconnect_timeout", "confirm_timeout"):
@@ -60,6 +72,8 @@ class AmqpSettings:
         _positive("approval_ttl", self.approval_ttl)
         if not 0 <= self.heartbeat <= 65535:
             raise ConfigError(f"heartbeat must be 0..65535 seconds, not {self.heartbeat}")
+        if self.declare not in ("all", "passive"):
+            raise ConfigError(f"declare must be all or passive, not {self.declare!r}")
         if self.delivery_limit < 1:
             raise ConfigError(f"delivery_limit must be at least 1, not {self.delivery_limit}")
 
@@ -88,6 +102,8 @@ def parse_amqp_url(url: str, base: AmqpSettings | None = None) -> tuple[str, Amq
     except ValueError as exc:
         raise ConfigError(f"the RabbitMQ URL has a bad port: {exc}") from exc
     settings = base or AmqpSettings()
+    if settings.user_id is None:
+        settings = replace(settings, user_id=unquote(split.username or "guest"))
     types = {field.name: field.type for field in fields(AmqpSettings)}
     changes: dict[str, object] = {}
     passthrough: list[tuple[str, str]] = []
@@ -120,6 +136,6 @@ def _convert(key: str, value: str, kind: str) -> object:
             return float(value)
     except ValueError as exc:
         raise ConfigError(f"RabbitMQ URL option {key}={value!r} is not a number") from exc
-    if not value:
+    if not value and key != "user_id":
         raise ConfigError(f"RabbitMQ URL option {key} is empty")
     return value

@@ -63,6 +63,13 @@ class Delivery(Protocol):
         """How many times this message was delivered before (0 on the first delivery)."""
         ...
 
+    @property
+    def sender(self) -> str | None:
+        """Who published it, as the broker vouches for it: RabbitMQ's validated ``user_id``
+        (the publishing connection's user), the user of a ``memory://USER@NAME`` transport;
+        None where the broker says nothing (Service Bus: messages are signed instead)."""
+        ...
+
     async def ack(self) -> None:
         """Handled: remove it from the queue."""
         ...
@@ -112,6 +119,13 @@ class Transport(Protocol):
         tb: TracebackType | None,
     ) -> None: ...
 
+    @property
+    def link_down_for(self) -> float | None:
+        """Seconds since the broker link was lost, while it is being restored; None while it
+        is up, or where the transport keeps no link of its own (its operations and
+        subscriptions then fail instead)."""
+        ...
+
     def reply_address(self, vm: str) -> ReplyAddress:
         """Where approvals for ``vm`` must be sent (carried in every message the VM publishes)."""
         ...
@@ -126,8 +140,10 @@ class Transport(Protocol):
 
     async def declare_group(self, group: str, *, exclusive: bool | None = None) -> None:
         """Create the consumer group's durable copy of the stream (idempotent), so messages
-        published from now on wait for it even before a consumer runs. ``exclusive`` as in
-        :meth:`subscribe`; None takes an existing group as it is (new: competing consumers)."""
+        published from now on wait for it even before a consumer runs; on RabbitMQ it also
+        takes over what waited in the catch-all while no group existed (dead-lettered into the
+        stream, so every group bound by then gets it). ``exclusive`` as in :meth:`subscribe`;
+        None takes an existing group as it is (new: competing consumers)."""
         ...
 
     def subscribe(

@@ -2,9 +2,12 @@
 
 Same semantics as the networked ones: each consumer group gets its own copy of the stream,
 the consumers of a group compete, a retried message comes back with ``delivery_count + 1``, an
-unsettled one returns to its queue when its consumer closes, dead letters keep their reason.
-Transports opened on the same URL (``memory://NAME``) share one broker; nothing survives the
-process.
+unsettled one returns to its queue when its consumer closes, dead letters keep their reason and
+name the original sender. What is published while no group exists is kept (RabbitMQ's
+catch-all queue) and handed, unchanged, to the first group declared. A message over
+:attr:`MemoryBroker.max_message_bytes` is refused for good (:class:`MessageRefused`), as Service
+Bus refuses one over 256 KB. Transports opened on the same URL (``memory://NAME``) share one
+broker; nothing survives the process.
 """
 
 from __future__ import annotations
@@ -17,16 +20,24 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from .._errors import TransportError
+from .._errors import MessageRefused, TransportError
 from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
 from ._base import AsyncResource, OutgoingMessage, PropertyValue
 
-__all__ = ["MemoryBroker", "MemoryTransport"]
+__all__ = [
+    "DEAD_LETTER_DESCRIPTION",
+    "DEAD_LETTER_REASON",
+    "ORIGINAL_SENDER",
+    "MemoryBroker",
+    "MemoryTransport",
+]
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_REASON = "dead_letter_reason"
 DEAD_LETTER_DESCRIPTION = "dead_letter_description"
+#: A dead letter's property naming who published the original (its ``sender``), where known.
+ORIGINAL_SENDER = "original_sender"
 #: A transient subscription's own queue is named ``<group><TRANSIENT_INFIX><id>``.
 TRANSIENT_INFIX = ".transient."
 
@@ -36,6 +47,8 @@ class _Stored:
     message: OutgoingMessage
     delivery_count: int = 0
     expires_at: float | None = None
+    #: The user of the transport that published it (``memory://USER@NAME``).
+    sender: str | None = None
 
 
 @dataclass(slots=True)
@@ -108,11 +121,16 @@ class MemoryBroker:
 
     _registry: ClassVar[dict[str, MemoryBroker]] = {}
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, max_message_bytes: int = 256 * 1024) -> None:
         self.name = name
+        #: The largest body taken; a larger one is refused, as Service Bus Standard does.
+        self.max_message_bytes = max_message_bytes
+        #: Every copy of the stream: the groups' queues and the transient subscriptions' ones.
         self.groups: dict[str, _Queue] = {}
         self.dead: dict[str, _Queue] = {}
         self.vms: dict[str, _Queue] = {}
+        #: What was published while no queue took the stream, for the first group declared.
+        self.unrouted = _Queue("unrouted")
         self.published = 0
         self.transient_count = 0
 
@@ -132,7 +150,25 @@ class MemoryBroker:
         if queue is None:
             queue = self.groups[group] = _Queue(f"group:{group}")
             self.dead[group] = _Queue(f"dead:{group}")
+            self._release_unrouted()
         return queue
+
+    def route(self, stored: _Stored) -> None:
+        """A copy for every queue of the stream; kept aside when there is none."""
+        queues = list(self.groups.values())
+        if not queues:
+            self.unrouted.put(stored)
+            return
+        for queue in queues:
+            queue.put(replace(stored))
+
+    def _release_unrouted(self) -> None:
+        # A group exists now: what waited goes to the stream as it was published.
+        kept = len(self.unrouted.ready)
+        if kept:
+            log.info("memory broker %s: %d message(s) kept for the first group", self.name, kept)
+        while (stored := self.unrouted.take()) is not None:
+            self.route(stored)
 
     def vm(self, vm: str) -> _Queue:
         key = vm.casefold()
@@ -176,6 +212,10 @@ class _MemoryDelivery:
     def delivery_count(self) -> int:
         return self._stored.delivery_count
 
+    @property
+    def sender(self) -> str | None:
+        return self._stored.sender
+
     def _settle(self) -> None:
         if self._settled:
             raise TransportError(f"message {self.message_id} was settled already")
@@ -204,7 +244,13 @@ class _MemoryDelivery:
         properties = dict(self._stored.message.properties)
         properties[DEAD_LETTER_REASON] = reason
         properties[DEAD_LETTER_DESCRIPTION] = description
-        dead.put(_Stored(replace(self._stored.message, properties=properties)))
+        if self._stored.sender is not None:
+            properties[ORIGINAL_SENDER] = self._stored.sender
+        dead.put(
+            _Stored(
+                replace(self._stored.message, properties=properties), sender=self._stored.sender
+            )
+        )
 
     def release(self) -> None:
         """The consumer went away without settling: the message goes back, like on a broker."""
@@ -254,15 +300,22 @@ class _MemorySubscription(AsyncResource):
 
 
 class MemoryTransport(AsyncResource):
-    """The :class:`~schemas.transport.Transport` of one process: ``memory://NAME``."""
+    """The :class:`~schemas.transport.Transport` of one process: ``memory://NAME``, or
+    ``memory://USER@NAME`` to publish as ``USER`` (each delivery's ``sender``, as RabbitMQ's
+    ``user_id``)."""
 
     name = "memory"
 
     def __init__(
-        self, broker: str | MemoryBroker = "default", channels: ChannelNames = DEFAULT_CHANNELS
+        self,
+        broker: str | MemoryBroker = "default",
+        channels: ChannelNames = DEFAULT_CHANNELS,
+        *,
+        user: str | None = None,
     ) -> None:
         self.broker = broker if isinstance(broker, MemoryBroker) else MemoryBroker.named(broker)
         self.channels = channels
+        self.user = user
         self._connected = False
         self._subscriptions: set[_MemorySubscription] = set()
 
@@ -279,19 +332,33 @@ class MemoryTransport(AsyncResource):
         if not self._connected:
             raise TransportError("the memory transport is not connected (use `async with`)")
 
+    @property
+    def link_down_for(self) -> float | None:
+        """Always None: the memory broker is in the process."""
+        return None
+
     def reply_address(self, vm: str) -> ReplyAddress:
         return ReplyAddress(channel=self.channels.approvals_exchange, key=vm)
 
+    def _check_size(self, message: OutgoingMessage) -> None:
+        limit = self.broker.max_message_bytes
+        if len(message.body) > limit:
+            raise MessageRefused(
+                f"message {message.message_id} has {len(message.body)} bytes; the memory broker "
+                f"takes at most {limit}"
+            )
+
     async def publish(self, message: OutgoingMessage) -> None:
         self._check()
+        self._check_size(message)
         self.broker.published += 1
-        for queue in self.broker.groups.values():
-            queue.put(_Stored(message))
+        self.broker.route(_Stored(message, sender=self.user))
 
     async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
         self._check()
+        self._check_size(message)
         expires = None if message.ttl_seconds is None else time.monotonic() + message.ttl_seconds
-        self.broker.vm(to.key).put(_Stored(message, expires_at=expires))
+        self.broker.vm(to.key).put(_Stored(message, expires_at=expires, sender=self.user))
 
     async def declare_group(self, group: str, *, exclusive: bool | None = None) -> None:
         self._check()

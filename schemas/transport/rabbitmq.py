@@ -3,18 +3,42 @@
 Topology (declared idempotently, durable; names from :class:`~schemas.ChannelNames`)::
 
     events_exchange      topic   lifecycle messages, routing key <type>.<EventType>.<vm>
-      └─ group_prefix+G          quorum queue per consumer group, bound with "#"
-         (x-dead-letter-exchange -> group_prefix+G.dead-letter, x-delivery-limit)
-    group_prefix+G.dead-letter   fanout exchange + quorum queue: the group's dead letters
+      │                          (alternate-exchange -> unrouted)
+      ├─ group_prefix+G          quorum queue per consumer group, bound with "#"
+      │  (x-dead-letter-exchange -> group_prefix+G.dead-letter, x-delivery-limit)
       └─ group_prefix+G.transient.<id>   a transient subscription's own queue (classic,
                                          exclusive, auto-delete): gone when it closes
-    approvals_exchange   direct  approvals, routing key = VM name (case-folded)
-      └─ vm_prefix+vm            the VM's queue (classic, x-message-ttl = approval_ttl)
+    group_prefix+G.dead-letter   fanout exchange + quorum queue: the group's dead letters
+    unrouted             fanout  the events exchange's alternate exchange
+      └─ unrouted                quorum queue: what was published while no queue was bound
+         (x-dead-letter-exchange -> events_exchange, at-least-once, reject-publish)
+    approvals_exchange   topic   approvals, routing key = the VM's word (vm_word: lower case,
+      │                          dots as "_"), as the last word of its lifecycle keys
+      └─ vm_prefix+word          the VM's queue (classic, x-message-ttl = approval_ttl), bound
+                                 with its own word: a VM's broker user may bind only that one
+                                 (a topic permission), so it can never read another's approvals
+
+Every party declares all of it the same way, so whoever comes first creates it; with the URL
+option ``declare=passive`` (a least-privilege agent, whose user may configure only its own
+queue) the shared exchanges are only checked, and the central services create them.
+
+Nothing is lost while nobody listens: a lifecycle message published before any consumer group
+exists goes to the alternate exchange and waits in the ``unrouted`` queue. Declaring a group
+(:meth:`declare_group`, and the declaration :meth:`subscribe` makes) then drains that queue into
+the stream without republishing anything: it rejects each message there, and the broker
+dead-letters it into the events exchange with its routing key and properties unchanged (the
+publisher's validated ``user_id`` included, which no consumer could forge on a copy), where the
+group's queue now takes it. An events exchange declared by an older version, without the
+argument, is used as it is; :attr:`RabbitMQTransport.catch_all_problem` then says how to fix it.
 
 Publishing uses publisher confirms with ``mandatory``: :meth:`publish` returns once the broker
-confirmed, and raises :class:`PublishNotConfirmed` on a nack, on an unroutable message, or when
-no confirm came in ``confirm_timeout``. An approval to a VM whose agent never declared its queue
-is unroutable, so its sender learns it (the sender does not create queues for VMs).
+confirmed, and raises :class:`PublishNotConfirmed` when the broker refused that message: a nack,
+an unroutable message, a ``user_id`` that is not the login's, a routing key the user's topic
+permissions forbid (the broker closes the channel, which reopens for the next message), or no
+confirm in ``confirm_timeout``; :class:`MessageRefused` for a message over the broker's
+``max_message_size``, which it will never take. An approval to a VM whose agent never
+declared its queue is unroutable, so its sender learns it (the sender does not create queues
+for VMs).
 
 While the link is down, the robust connection reconnects every ``reconnect_interval`` (with
 jitter); ``publish`` waits up to ``reconnect_timeout`` for it and then raises
@@ -32,7 +56,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
@@ -43,11 +66,29 @@ import aio_pika.abc
 import aiormq.exceptions
 from yarl import URL
 
+from .._backoff import Backoff
 from .._errors import ConfigError, PublishNotConfirmed, TransportError
-from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
+from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress, vm_word
 from . import redact
+from ._amqp_catch_all import (
+    ALTERNATE_EXCHANGE,
+    declare_catch_all,
+    drain,
+    events_exchange_arguments,
+    missing_catch_all,
+)
+from ._amqp_connection import RelayConnection, connect_error, login
 from ._amqp_consume import AmqpSubscription
-from ._amqp_errors import FAILURES, REFUSALS, config_error, is_spurious_cancel, reason
+from ._amqp_errors import (
+    FAILURES,
+    MESSAGE_REFUSALS,
+    REFUSALS,
+    config_error,
+    is_spurious_cancel,
+    reason,
+    refused,
+    uninterrupted,
+)
 from ._amqp_settings import AmqpSettings, parse_amqp_url
 from ._base import AsyncResource, OutgoingMessage
 from .memory import TRANSIENT_INFIX
@@ -59,22 +100,8 @@ log = logging.getLogger(__name__)
 _DEAD_LETTER_SUFFIX = ".dead-letter"
 _QUORUM = {"x-queue-type": "quorum"}
 _CLOSE_TIMEOUT = 5.0
-_RETRY_PAUSE_CAP = 1.0
-
-
-class _JitteredRobustConnection(aio_pika.RobustConnection):
-    """aio-pika waits a fixed interval between reconnect attempts: a fleet cut off together
-    would come back in lock-step. Each read of the interval is spread by +/-20 %."""
-
-    _base_interval: float = 0.5
-
-    @property
-    def reconnect_interval(self) -> float:
-        return self._base_interval * random.uniform(0.8, 1.2)
-
-    @reconnect_interval.setter
-    def reconnect_interval(self, value: float) -> None:
-        self._base_interval = float(value)
+#: The pause between publish attempts while the link is down: 50 ms, doubling up to 1 s.
+_RETRY_PAUSE = (0.05, 1.0)
 
 
 class RabbitMQTransport(AsyncResource):
@@ -98,21 +125,29 @@ class RabbitMQTransport(AsyncResource):
         self._subscriptions: set[AmqpSubscription] = set()
         self._closing = False
         self._lost_at: float | None = None
+        #: Why messages published while no group is bound are not kept (an events exchange
+        #: declared without the alternate exchange by an older version), with the fix; None
+        #: when the exchange has it. Only a policy could give it one then, which a client
+        #: cannot see: an unroutable message says so again.
+        self.catch_all_problem: ConfigError | None = None
 
     # -- connection ---------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        """Connect, open the publishing channel, declare both exchanges.
+        """Connect, declare the exchanges and the catch-all, open the publishing channel.
 
         Raises :class:`TransportError` when the broker cannot be reached within
-        ``connect_timeout``, :class:`ConfigError` when an exchange exists with another type.
+        ``connect_timeout`` or refuses the login or the vhost (one line saying which),
+        :class:`ConfigError` when an exchange exists with another type. An events exchange
+        without the alternate exchange (an older version's) is used as it is, with a warning
+        and :attr:`catch_all_problem`.
         """
         if self._connection is not None:
             return
         self._closing = False
         settings = self.settings
-        log.info("connecting to RabbitMQ %s as %r", self.display_url, settings.connection_name)
-        connection = _JitteredRobustConnection(
+        log.debug("connecting to RabbitMQ %s as %r", self.display_url, settings.connection_name)
+        connection = RelayConnection(
             URL(self._url),
             reconnect_interval=settings.reconnect_interval,
             client_properties={"connection_name": settings.connection_name},
@@ -122,9 +157,7 @@ class RabbitMQTransport(AsyncResource):
                 await connection.connect(timeout=settings.connect_timeout)
         except FAILURES as exc:
             await self._close_quietly(connection)
-            raise TransportError(
-                f"cannot connect to RabbitMQ at {self.display_url}: {reason(exc)}"
-            ) from exc
+            raise connect_error(exc, self._url, self.display_url) from exc
         except BaseException:
             await self._close_quietly(connection)
             raise
@@ -132,7 +165,7 @@ class RabbitMQTransport(AsyncResource):
         connection.reconnect_callbacks.add(self._on_link_restored)
         self._connection = connection
         try:
-            await self._declare(self._declare_exchanges)
+            await self._declare_topology()
             channel = connection.channel(publisher_confirms=True, on_return_raises=True)
             async with asyncio.timeout(settings.connect_timeout):
                 await channel.initialize()
@@ -148,20 +181,64 @@ class RabbitMQTransport(AsyncResource):
                 ) from exc
             raise
         self._channel = channel
-        log.info("connected to RabbitMQ %s", self.display_url)
+        log.info("connected to RabbitMQ %s as %r", self.display_url, settings.connection_name)
 
     async def _declare_exchanges(
         self, channel: aio_pika.abc.AbstractChannel
     ) -> list[aio_pika.abc.AbstractExchange]:
-        # No arguments: every producer and consumer can declare them the same way.
+        """The two exchanges, as every party declares them; an events exchange an older
+        version declared without the alternate exchange is taken as it is (passively)."""
+        events = self.channels.events_exchange
+        if self._passive:
+            return [
+                await channel.declare_exchange(events, passive=True),
+                await channel.declare_exchange(self.channels.approvals_exchange, passive=True),
+            ]
+        if self.catch_all_problem is None:
+            try:
+                exchange = await channel.declare_exchange(
+                    events,
+                    aio_pika.ExchangeType.TOPIC,
+                    durable=True,
+                    arguments=events_exchange_arguments(self.channels),
+                )
+            except aiormq.exceptions.ChannelPreconditionFailed as exc:
+                raise config_error(
+                    exc, f"exchange {events!r}", "delete it so that it is declared again"
+                ) from exc
+        else:
+            exchange = await channel.declare_exchange(events, passive=True)
+        approvals = self.channels.approvals_exchange
         return [
-            await channel.declare_exchange(
-                self.channels.events_exchange, aio_pika.ExchangeType.TOPIC, durable=True
-            ),
-            await channel.declare_exchange(
-                self.channels.approvals_exchange, aio_pika.ExchangeType.DIRECT, durable=True
-            ),
+            exchange,
+            await channel.declare_exchange(approvals, aio_pika.ExchangeType.TOPIC, durable=True),
         ]
+
+    @property
+    def _passive(self) -> bool:
+        return self.settings.declare == "passive"
+
+    async def _declare_topology(self) -> None:
+        """The exchanges, and the catch-all that keeps what no group takes yet (only checked,
+        with ``declare=passive``)."""
+        if self._passive:
+            try:
+                await self._declare(self._declare_exchanges)
+            except TransportError as exc:
+                raise ConfigError(
+                    f"declare=passive, but the shared exchanges are not there ({exc}): start the "
+                    "central services (they declare them) before least-privilege agents"
+                ) from exc
+            return
+        await self._declare(lambda channel: declare_catch_all(channel, self.channels))
+        try:
+            await self._declare(self._declare_exchanges)
+        except ConfigError as exc:
+            if ALTERNATE_EXCHANGE not in str(exc):
+                raise
+            self.catch_all_problem = missing_catch_all(self.channels, login(self._url)[1])
+            log.warning("%s", self.catch_all_problem)
+            await self._declare(self._declare_exchanges)
 
     async def close(self) -> None:
         """Stop the subscriptions (their unsettled messages go back), then disconnect."""
@@ -227,6 +304,12 @@ class RabbitMQTransport(AsyncResource):
 
     # -- publishing -----------------------------------------------------------------------------
 
+    @property
+    def link_down_for(self) -> float | None:
+        if self._lost_at is None:
+            return None
+        return asyncio.get_running_loop().time() - self._lost_at
+
     def reply_address(self, vm: str) -> ReplyAddress:
         return ReplyAddress(channel=self.channels.approvals_exchange, key=vm)
 
@@ -234,11 +317,14 @@ class RabbitMQTransport(AsyncResource):
         await self._publish(
             self.channels.events_exchange,
             message.routing_key,
-            _amqp_message(message),
+            _amqp_message(message, self.settings.user_id),
             f"message {message.message_id}",
         )
 
     async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
+        """Send to the VM's word (:func:`~schemas.channels.vm_word`) on the approvals
+        exchange; unroutable (:class:`PublishNotConfirmed`) when that VM never declared its
+        queue."""
         if to.channel != self.channels.approvals_exchange:
             raise ConfigError(
                 f"approval {message.message_id} is addressed to {to}, but this transport's "
@@ -247,8 +333,8 @@ class RabbitMQTransport(AsyncResource):
             )
         await self._publish(
             to.channel,
-            to.key.casefold(),
-            _amqp_message(message),
+            vm_word(to.key),
+            _amqp_message(message, self.settings.user_id),
             f"approval {message.message_id} for {to.key}",
         )
 
@@ -258,6 +344,7 @@ class RabbitMQTransport(AsyncResource):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.reconnect_timeout
         attempt = 0
+        backoff = Backoff(*_RETRY_PAUSE)
         while True:
             await self._wait_link(deadline, what)
             _, channel = self._require()
@@ -274,9 +361,15 @@ class RabbitMQTransport(AsyncResource):
                     timeout=self.settings.confirm_timeout,
                 )
             except aiormq.exceptions.PublishError as exc:
+                problem = (
+                    self.catch_all_problem
+                    if exchange_name == self.channels.events_exchange
+                    else None
+                )
                 raise PublishNotConfirmed(
                     f"{what}: RabbitMQ returned it unroutable ({reason(exc)}): no queue is bound "
                     f"to {exchange_name!r} for routing key {routing_key!r}"
+                    + (f". {problem}" if problem is not None else "")
                 ) from exc
             except aiormq.exceptions.DeliveryError as exc:
                 raise PublishNotConfirmed(f"{what}: RabbitMQ refused it (nack)") from exc
@@ -284,6 +377,10 @@ class RabbitMQTransport(AsyncResource):
                 raise PublishNotConfirmed(
                     f"{what}: no confirm from RabbitMQ within {self.settings.confirm_timeout:g} s"
                 ) from exc
+            except MESSAGE_REFUSALS as exc:
+                # Refused for what it carries (user_id, routing key, size): the broker closed
+                # the channel, which reopens by itself for the next message.
+                raise refused(exc, what) from exc
             except REFUSALS as exc:
                 raise TransportError(f"{what}: RabbitMQ refused it: {reason(exc)}") from exc
             except asyncio.CancelledError as exc:
@@ -311,8 +408,7 @@ class RabbitMQTransport(AsyncResource):
                 reason(failure),
                 remaining,
             )
-            pause = min(0.05 * 2**attempt, _RETRY_PAUSE_CAP) * random.uniform(0.5, 1.0)
-            await asyncio.sleep(min(pause, remaining))
+            await asyncio.sleep(min(backoff.next(), remaining))
 
     # -- topology -------------------------------------------------------------------------------
 
@@ -324,13 +420,19 @@ class RabbitMQTransport(AsyncResource):
         return f"{self.channels.group_prefix}{group}{_DEAD_LETTER_SUFFIX}"
 
     def vm_queue(self, vm: str) -> str:
-        return f"{self.channels.vm_prefix}{vm.casefold()}"
+        return f"{self.channels.vm_prefix}{vm_word(vm)}"
 
     async def _declare(
         self, steps: Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]]
     ) -> None:
         """Run declarations on a short-lived plain channel, so a refusal (which closes the
-        channel) costs nothing else and is reported as such."""
+        channel) costs nothing else and is reported as such; a cancel meanwhile waits for them
+        to end (:func:`uninterrupted`)."""
+        await uninterrupted(self._declare_now(steps))
+
+    async def _declare_now(
+        self, steps: Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]]
+    ) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.reconnect_timeout
         connection = self._connection
@@ -400,9 +502,20 @@ class RabbitMQTransport(AsyncResource):
                     f"the queue {queue!r} (its messages go with it) so it is declared again"
                 )
                 declared = await self._checked_queue(channel, queue, arguments, hint)
-                await declared.bind(self.channels.events_exchange, "#")
+            else:  # bound again all the same: the events exchange may have been declared anew
+                declared = await channel.get_queue(queue, ensure=False)
+            await declared.bind(self.channels.events_exchange, "#")
 
         await self._declare(steps)
+        connection, _ = self._require()
+        await uninterrupted(
+            drain(
+                connection,
+                self.channels.unrouted,
+                group,
+                step_timeout=self.settings.confirm_timeout,
+            )
+        )
 
     async def _checked_queue(
         self,
@@ -437,7 +550,7 @@ class RabbitMQTransport(AsyncResource):
 
         async def steps(channel: aio_pika.abc.AbstractChannel) -> None:
             declared = await self._checked_queue(channel, queue, arguments, hint)
-            await declared.bind(self.channels.approvals_exchange, vm.casefold())
+            await declared.bind(self.channels.approvals_exchange, vm_word(vm))
 
         await self._declare(steps)
 
@@ -462,6 +575,7 @@ class RabbitMQTransport(AsyncResource):
         declare: Callable[[], Awaitable[None]],
         dead_letter_exchange: str | None,
         attach: Callable[[aio_pika.abc.AbstractRobustChannel], Awaitable[object]] | None = None,
+        reads_dead_letters: bool = False,
     ) -> AmqpSubscription:
         self._require()
         if prefetch < 1:
@@ -479,6 +593,7 @@ class RabbitMQTransport(AsyncResource):
             open_channel=self._consumer_channel,
             publish=self._publish,
             dead_letter_exchange=dead_letter_exchange,
+            reads_dead_letters=reads_dead_letters,
             on_close=self._subscriptions.discard,
             start_timeout=self.settings.reconnect_timeout + self.settings.confirm_timeout,
         )
@@ -539,6 +654,7 @@ class RabbitMQTransport(AsyncResource):
             prefetch=16,
             declare=lambda: self._declare_group(group, None),
             dead_letter_exchange=None,
+            reads_dead_letters=True,
         )
 
     # -- housekeeping ---------------------------------------------------------------------------
@@ -547,7 +663,8 @@ class RabbitMQTransport(AsyncResource):
         self, *, groups: Iterable[str] = (), vms: Iterable[str] = (), exchanges: bool = False
     ) -> None:
         """Delete the named groups' and VMs' queues (with their messages), and with
-        ``exchanges`` this transport's two exchanges. For tests and decommissioning."""
+        ``exchanges`` this transport's exchanges and its catch-all queue. For tests and
+        decommissioning."""
         self._require()
         queues = [self.vm_queue(vm) for vm in vms]
         dead_exchanges = []
@@ -556,7 +673,12 @@ class RabbitMQTransport(AsyncResource):
             dead_exchanges.append(self.dead_letter_name(group))
         names = list(dead_exchanges)
         if exchanges:
-            names += [self.channels.events_exchange, self.channels.approvals_exchange]
+            queues.append(self.channels.unrouted)
+            names += [
+                self.channels.events_exchange,
+                self.channels.approvals_exchange,
+                self.channels.unrouted,
+            ]
 
         async def steps(channel: aio_pika.abc.AbstractChannel) -> None:
             for queue in queues:
@@ -569,7 +691,7 @@ class RabbitMQTransport(AsyncResource):
             self._exchanges.clear()
 
 
-def _amqp_message(message: OutgoingMessage) -> aio_pika.Message:
+def _amqp_message(message: OutgoingMessage, user_id: str | None) -> aio_pika.Message:
     return aio_pika.Message(
         body=message.body,
         headers=dict(message.properties),
@@ -578,4 +700,6 @@ def _amqp_message(message: OutgoingMessage) -> aio_pika.Message:
         timestamp=datetime.now(UTC),
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         expiration=message.ttl_seconds,
+        # RabbitMQ checks it against the connection's user: the consumer can trust it.
+        user_id=user_id or None,
     )

@@ -18,34 +18,62 @@ approvals                                 session-enabled queue ``scheduled-even
 
 Settlement: ``ack`` completes, ``retry`` abandons (redelivered, delivery count + 1),
 ``dead_letter`` moves the message to the entity's dead-letter sub-queue with a reason and a
-description. An :class:`AutoLockRenewer` keeps locks of long handlers (and the agent's session).
+description. An :class:`AutoLockRenewer` keeps the locks of long handlers and of sessions.
 
-Facts of the SDK this design follows: every sender and receiver opens its own connection (a
-namespace allows 5,000), so one sender per entity is kept and reused; Standard tier caps a
-message at 256 KB; sessions need Standard or Premium; ``message_id`` is random unless set.
+**What a client holds.** A namespace allows 5,000 concurrent AMQP connections and an entity
+5,000 concurrent receive requests (an open receive link is one), and the SDK opens one
+connection per sender and per receiver. So:
 
-Service Bus entities are not created over AMQP: create the topic, its subscriptions and the
-session-enabled queue beforehand (the README has the az CLI commands). A missing entity is a
-:class:`~schemas.ConfigError` that says which one.
+- a sender is opened by a send and closed ``sender_idle_timeout`` seconds after the last one;
+  the next send opens a new one (about half a second: the SDK cannot reopen a closed sender).
+  An agent that publishes a heartbeat a minute holds a connection about a tenth of the time;
+- ``connect()`` opens the stream's sender, so a wrong address or key shows at start, and
+  closes it at once;
+- ``approvals(vm)`` holds one connection and one receive link while it is open, none after:
+  the agent opens it only while it has an event to approve.
+
+Options go in the connection string (``...;SharedAccessKey=KEY;sender_idle_timeout=10``) or in
+the query of an ``sb://`` address (``sb://NAMESPACE?sender_idle_timeout=10``); the SDK never
+sees them:
+
+=========================  =====  ==========================================================
+``sender_idle_timeout``    5 s    how long a sender stays open after its last send; 0 closes
+                                  it after every send. Keep it well under the agent's
+                                  heartbeat; a central service that sends all the time may
+                                  set minutes
+``connect_timeout``        15 s   opening a sender or a receiver: connection,
+                                  authentication and link
+``send_timeout``           10 s   the broker taking one message on an open sender
+=========================  =====  ==========================================================
+
+Application properties keep their types both ways. The SDK sends bytes values as text (it
+decodes them as UTF-8) and receives text as bytes, so bytes values travel base64-encoded and
+named in the property ``relay:binary`` (a JSON list), which the receiving side removes.
+
+Other facts of the SDK this design follows: Standard tier caps a message at 256 KB; sessions
+need Standard or Premium; ``message_id`` is random unless set. Service Bus entities are not
+created over AMQP: create the topic, its subscriptions and the session-enabled queue beforehand
+(the README has the az CLI commands). A missing entity is a :class:`~schemas.ConfigError` that
+says which one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import contextlib
+import json
 import logging
 import math
-import random
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
-from azure.servicebus import (
-    ServiceBusMessage,
-    ServiceBusReceivedMessage,
-    ServiceBusSubQueue,
-)
+from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage, ServiceBusSubQueue
 from azure.servicebus.aio import (
     AutoLockRenewer,
     ServiceBusClient,
@@ -61,19 +89,14 @@ from azure.servicebus.exceptions import (
     SessionCannotBeLockedError,
 )
 
+from .._backoff import Backoff
 from .._errors import ConfigError, PublishNotConfirmed, TransportError
 from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
+from . import redact
 from ._base import AsyncResource, OutgoingMessage, PropertyValue
 from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON
 
-
-def redact(url: str) -> str:
-    from . import redact as _redact
-
-    return _redact(url)
-
-
-__all__ = ["ServiceBusTransport"]
+__all__ = ["ServiceBusSettings", "ServiceBusTransport", "parse_servicebus_address"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +104,8 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 * 1024
 #: How long one receive call waits before the loop looks at ``close()`` again.
 RECEIVE_WAIT_SECONDS = 1.0
-#: How long the agent's session lock is renewed before the session is opened again.
+#: How long a session lock (the agent's, the exclusive group's) is renewed before the session
+#: is opened again.
 SESSION_RENEWAL_SECONDS = 24 * 3600.0
 #: A handler's message lock is renewed for at most this long.
 MESSAGE_RENEWAL_SECONDS = 300.0
@@ -91,13 +115,90 @@ CLOSE_TIMEOUT = 10.0
 STANDBY_SECONDS = 1.0
 #: The session id of every lifecycle message (see :meth:`ServiceBusTransport.publish`).
 STREAM_SESSION = "scheduled-events"
-CONNECT_TIMEOUT = 15.0
+#: The application property that names the properties sent as base64 (bytes values).
+BINARY_PROPERTIES = "relay:binary"
 #: The SDK's own retries of one operation; above it the agent's outbox and the consumers'
 #: receive loops retry for as long as it takes, so a short ladder here keeps failures visible.
 _RETRY: dict[str, Any] = {"retry_total": 2, "retry_backoff_factor": 0.5, "retry_backoff_max": 4}
 
 
-def _entity_error(exc: ServiceBusError, entity: str) -> RelayErrorLike:
+# ---- settings ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceBusSettings:
+    """How the transport uses its namespace. Options in the address override these."""
+
+    #: Seconds a sender stays open after its last send (0: closed after every send).
+    sender_idle_timeout: float = 5.0
+    #: Seconds to open a sender or a receiver (connection, authentication, link); the SDK
+    #: alone would wait for ever on a silent link.
+    connect_timeout: float = 15.0
+    #: Seconds for the broker to take one message on an open sender.
+    send_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        idle = self.sender_idle_timeout
+        if not (math.isfinite(idle) and idle >= 0):
+            raise ConfigError(f"sender_idle_timeout must be 0 or more seconds, not {idle!r}")
+        for name in ("connect_timeout", "send_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+_OPTIONS = frozenset(field.name for field in fields(ServiceBusSettings))
+
+
+def parse_servicebus_address(
+    address: str, base: ServiceBusSettings | None = None
+) -> tuple[str, ServiceBusSettings]:
+    """Split a connection string or ``sb://`` address into what the SDK gets and the settings.
+
+    >>> address, settings = parse_servicebus_address("sb://contoso?sender_idle_timeout=2")
+    >>> address, settings.sender_idle_timeout
+    ('sb://contoso', 2.0)
+    """
+    text = address.strip()
+    options: list[tuple[str, str]] = []
+    if text.lower().startswith("endpoint="):
+        # The SDK ignores keys it does not know: take ours out, leave the rest as it was.
+        kept = []
+        for part in text.split(";"):
+            key, _, value = part.partition("=")
+            if key.strip().lower() in _OPTIONS:
+                options.append((key.strip().lower(), value.strip()))
+            else:
+                kept.append(part)
+        text = ";".join(kept).rstrip(";")
+    else:
+        split = urlsplit(text)
+        options = parse_qsl(split.query, keep_blank_values=True)
+        text = split._replace(query="").geturl()
+    changes: dict[str, float] = {}
+    for key, value in options:
+        if key not in _OPTIONS:
+            known = ", ".join(sorted(_OPTIONS))
+            raise ConfigError(f"unknown Service Bus option {key!r}; known options: {known}")
+        try:
+            changes[key] = float(value)
+        except ValueError as exc:
+            raise ConfigError(f"Service Bus option {key}={value!r} is not a number") from exc
+    return text, replace(base or ServiceBusSettings(), **changes)
+
+
+def _namespace(url: str) -> str:
+    split = urlsplit(url.strip())
+    host = split.netloc or split.path
+    if not host:
+        raise ConfigError(f"Service Bus URL {url!r} names no namespace (sb://NAMESPACE)")
+    return host if "." in host else f"{host}.servicebus.windows.net"
+
+
+# ---- messages ----------------------------------------------------------------------------------
+
+
+def _entity_error(exc: ServiceBusError, entity: str) -> ConfigError | TransportError:
     if isinstance(exc, MessagingEntityNotFoundError):
         return ConfigError(
             f"the Service Bus entity {entity!r} does not exist: create it first "
@@ -108,20 +209,53 @@ def _entity_error(exc: ServiceBusError, entity: str) -> RelayErrorLike:
     return TransportError(f"Service Bus failed on {entity!r}: {exc}")
 
 
-RelayErrorLike = ConfigError | TransportError
-
-
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _properties(message: ServiceBusReceivedMessage) -> dict[str, PropertyValue]:
-    """Received application properties come back with ``bytes`` keys and string values."""
-    out: dict[str, PropertyValue] = {}
-    for key, value in (message.application_properties or {}).items():
+def _outgoing_properties(properties: Mapping[str, object]) -> dict[str | bytes, Any]:
+    """Bytes values as base64 text, named in :data:`BINARY_PROPERTIES`."""
+    out: dict[str | bytes, Any] = {}
+    binary: list[str] = []
+    for name, value in properties.items():
+        if isinstance(value, bytes | bytearray):
+            out[name] = base64.b64encode(value).decode("ascii")
+            binary.append(name)
+        else:
+            out[name] = value
+    if binary:
+        out[BINARY_PROPERTIES] = json.dumps(binary)
+    return out
+
+
+def _binary_names(raw: Mapping[Any, Any]) -> set[str]:
+    for key, value in raw.items():
+        if _text(key) == BINARY_PROPERTIES:
+            try:
+                names = json.loads(_text(value))
+            except ValueError:
+                break
+            if isinstance(names, list):
+                return {str(name) for name in names}
+    return set()
+
+
+def _received_properties(message: ServiceBusReceivedMessage) -> dict[str, PropertyValue]:
+    """The SDK hands back keys and text values as ``bytes``: text again, except the values
+    :func:`_outgoing_properties` sent as base64, which become bytes again."""
+    raw: Mapping[Any, Any] = message.application_properties or {}
+    binary = _binary_names(raw)
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
         name = _text(key)
-        if name in ("DeadLetterReason", "DeadLetterErrorDescription"):
+        if name in (BINARY_PROPERTIES, "DeadLetterReason", "DeadLetterErrorDescription"):
             continue
+        if name in binary:
+            try:
+                out[name] = base64.b64decode(_text(value), validate=True)
+                continue
+            except (binascii.Error, ValueError):
+                log.debug("property %r is not the base64 it claims to be; kept as text", name)
         out[name] = value if isinstance(value, int | float | bool) else _text(value)
     if message.dead_letter_reason is not None:
         out[DEAD_LETTER_REASON] = message.dead_letter_reason
@@ -138,6 +272,130 @@ def _body(message: ServiceBusReceivedMessage) -> bytes:
     return b"".join(body)  # data sections
 
 
+def _outgoing(message: OutgoingMessage, *, session_id: str) -> ServiceBusMessage:
+    if len(message.body) > MAX_MESSAGE_BYTES:
+        raise PublishNotConfirmed(
+            f"message {message.message_id} has {len(message.body)} bytes; Service Bus "
+            f"Standard takes at most {MAX_MESSAGE_BYTES}"
+        )
+    # The SDK sends whole seconds (a TTL under 1 s would mean "never expires"): round up.
+    ttl = (
+        None
+        if message.ttl_seconds is None
+        else timedelta(seconds=max(1, math.ceil(message.ttl_seconds)))
+    )
+    return ServiceBusMessage(
+        message.body,
+        message_id=message.message_id,
+        content_type=message.content_type,
+        subject=message.routing_key or None,
+        application_properties=_outgoing_properties(message.properties),
+        session_id=session_id,
+        time_to_live=ttl,
+    )
+
+
+# ---- sending -----------------------------------------------------------------------------------
+
+
+class _Sender:
+    """One entity's sender: opened by a send, closed ``sender_idle_timeout`` seconds after the
+    last one.
+
+    Facts of the SDK it follows: a closed sender cannot send again ("The handler has already
+    been shutdown"), and the client holds no connection of its own, so each opening is a new
+    :class:`ServiceBusSender`; and one sender must not run two operations at once (concurrent
+    sends on an async sender fail: Azure/azure-sdk-for-python#36334), so its sends take turns.
+    The idle timer starts when no send is running or waiting; a send cancels it. A sender whose
+    send failed is closed and not used again (it may hold a dead link).
+    """
+
+    def __init__(
+        self, make: Callable[[], ServiceBusSender], entity: str, settings: ServiceBusSettings
+    ) -> None:
+        self._make = make
+        self.entity = entity
+        self._settings = settings
+        self._current: ServiceBusSender | None = None
+        self._lock = asyncio.Lock()
+        self._users = 0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def check(self) -> None:
+        """Connect, and let go at once unless a send is using the sender (the transport's
+        start-up check: a wrong address or key shows now)."""
+        await self._use(None)
+        if not self._users:
+            self._discard()
+
+    async def send(self, message: ServiceBusMessage) -> None:
+        await self._use(message)
+
+    async def _use(self, message: ServiceBusMessage | None) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._users += 1
+        try:
+            async with self._lock:
+                sender = self._current
+                try:
+                    if sender is None:
+                        sender = self._current = self._make()
+                        await self._bounded(
+                            sender.__aenter__(), self._settings.connect_timeout, "opening"
+                        )
+                    if message is not None:
+                        await self._bounded(
+                            sender.send_messages(message), self._settings.send_timeout, "sending"
+                        )
+                except BaseException:
+                    self._discard()
+                    raise
+        finally:
+            self._users -= 1
+            idle = self._settings.sender_idle_timeout
+            if not self._users and self._current is not None:
+                if idle > 0:
+                    self._idle_timer = asyncio.get_running_loop().call_later(idle, self._discard)
+                else:
+                    self._discard()
+
+    async def _bounded(self, operation: Awaitable[object], seconds: float, what: str) -> None:
+        try:
+            await asyncio.wait_for(operation, seconds)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{what} to {self.entity}: no answer within {seconds:g} s") from exc
+
+    def _discard(self) -> None:
+        """Close the current sender in the background; the next send opens a new one."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        sender, self._current = self._current, None
+        if sender is None:
+            return
+        log.debug("closing the sender to %s", self.entity)
+        task = asyncio.ensure_future(self._close_one(sender))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_one(self, sender: ServiceBusSender) -> None:
+        try:
+            await asyncio.wait_for(sender.close(), CLOSE_TIMEOUT)
+        except (ServiceBusError, TimeoutError, OSError) as exc:
+            log.debug("closing the sender to %s failed: %s", self.entity, exc)
+
+    async def close(self) -> None:
+        """Close it now, even under a running send (which then fails)."""
+        self._discard()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+# ---- receiving ---------------------------------------------------------------------------------
+
+
 class _ServiceBusDelivery:
     def __init__(self, subscription: _ServiceBusSubscription, message: ServiceBusReceivedMessage):
         self._subscription = subscription
@@ -146,21 +404,11 @@ class _ServiceBusDelivery:
         self.message_id = _text(message.message_id or "")
         self.content_type = _text(message.content_type or "")
         self.routing_key = _text(message.subject or "")
-        self.properties: Mapping[str, PropertyValue] = _properties(message)
+        self.properties: Mapping[str, PropertyValue] = _received_properties(message)
         # The AMQP header counts earlier attempts: 0 on the first delivery, as the contract says.
         self.delivery_count = int(message.delivery_count or 0)
-
-    async def _settle(self, action: Callable[[ServiceBusReceiver], Awaitable[None]]) -> None:
-        receiver = self._subscription.settling_receiver(self)
-        try:
-            await action(receiver)
-        except ServiceBusError as exc:
-            raise TransportError(
-                f"could not settle message {self.message_id} (the broker delivers it again "
-                f"after its lock expires): {exc}"
-            ) from exc
-        except ValueError as exc:  # MessageAlreadySettled
-            raise TransportError(f"message {self.message_id} was settled already") from exc
+        # Service Bus names no sender per message: lifecycle messages are signed instead.
+        self.sender: str | None = None
 
     async def ack(self) -> None:
         await self._settle(lambda r: r.complete_message(self._message))
@@ -175,9 +423,29 @@ class _ServiceBusDelivery:
             )
         )
 
+    async def give_back(self, receiver: ServiceBusReceiver) -> None:
+        """Abandon it as its subscription closes, rather than when its lock expires."""
+        try:
+            await receiver.abandon_message(self._message)
+        except (ServiceBusError, ValueError) as exc:
+            log.debug("abandoning %s on close failed: %s", self.message_id, exc)
+
+    async def _settle(self, action: Callable[[ServiceBusReceiver], Awaitable[None]]) -> None:
+        receiver = self._subscription.settling_receiver(self)
+        try:
+            await action(receiver)
+        except ServiceBusError as exc:
+            raise TransportError(
+                f"could not settle message {self.message_id} (the broker delivers it again "
+                f"after its lock expires): {exc}"
+            ) from exc
+        except ValueError as exc:  # MessageAlreadySettled
+            raise TransportError(f"message {self.message_id} was settled already") from exc
+
 
 class _ServiceBusSubscription(AsyncResource):
-    """A receiver loop that reopens its receiver after a failure (with jittered backoff)."""
+    """A receiver loop: opens its receiver at the first ``anext``, opens it again after a
+    failure (with backoff), and leaves its transport when closed."""
 
     def __init__(
         self,
@@ -185,16 +453,21 @@ class _ServiceBusSubscription(AsyncResource):
         entity: str,
         *,
         prefetch: int,
+        open_timeout: float,
+        on_close: Callable[[_ServiceBusSubscription], None],
     ) -> None:
         self._open_receiver = open_receiver
         self._entity = entity
         self._prefetch = max(1, prefetch)
+        self._open_timeout = open_timeout
+        self._on_close = on_close
         self._receiver: ServiceBusReceiver | None = None
         self._buffer: deque[_ServiceBusDelivery] = deque()
         self._unsettled: set[_ServiceBusDelivery] = set()
-        self._closed = False
+        self._closed = asyncio.Event()
         self._lock = asyncio.Lock()
-        self._failures = 0
+        self._backoff = Backoff(RECONNECT_MIN, RECONNECT_MAX)
+        self._standby = Backoff(STANDBY_SECONDS, STANDBY_SECONDS)
 
     def settling_receiver(self, delivery: _ServiceBusDelivery) -> ServiceBusReceiver:
         self._unsettled.discard(delivery)
@@ -209,22 +482,28 @@ class _ServiceBusSubscription(AsyncResource):
         return self
 
     async def __anext__(self) -> _ServiceBusDelivery:
-        while not self._closed:
+        while not self._closed.is_set():
             if self._buffer:
                 delivery = self._buffer.popleft()
                 self._unsettled.add(delivery)
                 return delivery
             async with self._lock:
-                if self._closed:
+                if self._closed.is_set():
                     break
-                await self._receive_batch()
+                pause = await self._receive_batch()
+            if pause:
+                # Wait outside the lock, so close() need not wait for the pause.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closed.wait(), pause)
         raise StopAsyncIteration
 
-    async def _receive_batch(self) -> None:
+    async def _receive_batch(self) -> float:
+        """Fill the buffer; a pause in seconds before the next try when there was a failure."""
         try:
             if self._receiver is None:
                 self._receiver = self._open_receiver()
-                await self._receiver.__aenter__()
+                # The SDK alone would wait for ever on a silent link.
+                await asyncio.wait_for(self._receiver.__aenter__(), self._open_timeout)
             batch = await self._receiver.receive_messages(
                 max_message_count=self._prefetch, max_wait_time=RECEIVE_WAIT_SECONDS
             )
@@ -232,24 +511,23 @@ class _ServiceBusSubscription(AsyncResource):
             # Another process holds the session: stand by, and take over soon after it goes.
             log.debug("the session on %s is held by another receiver; standing by", self._entity)
             await self._drop_receiver()
-            await asyncio.sleep(STANDBY_SECONDS * random.uniform(0.8, 1.2))
-            return
+            return self._standby.next()
         except MessagingEntityNotFoundError as exc:
             await self._drop_receiver()
             raise _entity_error(exc, self._entity) from exc
-        except ServiceBusError as exc:
-            await self._backoff(f"receiving from {self._entity} failed", exc)
-            return
-        self._failures = 0
+        except (ServiceBusError, TimeoutError) as exc:
+            delay = self._backoff.next()
+            log.warning(
+                "receiving from %s failed (%s); opening the receiver again in %.1f s",
+                self._entity,
+                exc or f"no answer within {self._open_timeout:g} s",
+                delay,
+            )
+            await self._drop_receiver()
+            return delay
+        self._backoff.reset()
         self._buffer.extend(_ServiceBusDelivery(self, message) for message in batch)
-
-    async def _backoff(self, what: str, exc: BaseException) -> None:
-        self._failures += 1
-        delay = min(RECONNECT_MAX, RECONNECT_MIN * 2 ** (self._failures - 1))
-        delay *= random.uniform(0.8, 1.2)
-        log.warning("%s (%s); opening the receiver again in %.1f s", what, exc, delay)
-        await self._drop_receiver()
-        await asyncio.sleep(delay)
+        return 0.0
 
     async def _drop_receiver(self) -> None:
         receiver, self._receiver = self._receiver, None
@@ -262,27 +540,18 @@ class _ServiceBusSubscription(AsyncResource):
                 log.debug("closing the receiver of %s failed: %s", self._entity, exc)
 
     async def close(self) -> None:
-        if self._closed:
+        if self._closed.is_set():
             return
-        self._closed = True
+        self._closed.set()
         async with self._lock:
-            receiver = self._receiver
-            pending = [*self._unsettled, *self._buffer]
-            if receiver is not None:
-                # Give unsettled messages back now rather than when their locks expire.
-                for delivery in pending:
-                    try:
-                        await receiver.abandon_message(delivery._message)
-                    except (ServiceBusError, ValueError) as exc:
-                        log.debug("abandoning %s on close failed: %s", delivery.message_id, exc)
+            if self._receiver is not None:
+                for delivery in [*self._unsettled, *self._buffer]:
+                    await delivery.give_back(self._receiver)
             await self._drop_receiver()
+        self._on_close(self)
 
 
-def _namespace(url: str) -> str:
-    host = urlsplit(url.strip()).netloc or urlsplit(url.strip()).path
-    if not host:
-        raise ConfigError(f"Service Bus URL {url!r} names no namespace (sb://NAMESPACE)")
-    return host if "." in host else f"{host}.servicebus.windows.net"
+# ---- the transport -----------------------------------------------------------------------------
 
 
 class ServiceBusTransport(AsyncResource):
@@ -290,30 +559,41 @@ class ServiceBusTransport(AsyncResource):
 
     ``url`` is a connection string (``Endpoint=sb://...;SharedAccessKeyName=...;
     SharedAccessKey=...``, ``UseDevelopmentEmulator=true`` for the emulator) or
-    ``sb://NAMESPACE`` to sign in with ``DefaultAzureCredential`` (a VM's managed identity).
+    ``sb://NAMESPACE`` to sign in with ``DefaultAzureCredential`` (a VM's managed identity);
+    either may carry the options in the module's docstring, which override ``settings``::
+
+        async with ServiceBusTransport("sb://contoso?sender_idle_timeout=10") as transport:
+            await transport.publish(message)
     """
 
     name = "servicebus"
 
-    def __init__(self, url: str, channels: ChannelNames = DEFAULT_CHANNELS) -> None:
+    def __init__(
+        self,
+        url: str,
+        channels: ChannelNames = DEFAULT_CHANNELS,
+        *,
+        settings: ServiceBusSettings | None = None,
+    ) -> None:
         self.url = url.strip()
+        self._address, self.settings = parse_servicebus_address(self.url, settings)
         self.channels = channels
+        self._connection_string = self._address.lower().startswith("endpoint=")
+        if not self._connection_string:
+            self._namespace = _namespace(self._address)
         self._client: ServiceBusClient | None = None
         self._credential: Any = None
-        self._senders: dict[str, ServiceBusSender] = {}
-        self._sender_lock = asyncio.Lock()
+        self._senders: dict[str, _Sender] = {}
         self._subscriptions: set[_ServiceBusSubscription] = set()
-        self._renewer: AutoLockRenewer | None = None
-        self._session_renewers: list[AutoLockRenewer] = []
-        if not self.url.lower().startswith("endpoint="):
-            self._namespace = _namespace(self.url)
+        self._message_renewer: AutoLockRenewer | None = None
+        self._session_renewer: AutoLockRenewer | None = None
 
     async def connect(self) -> None:
         if self._client is not None:
             return
-        if self.url.lower().startswith("endpoint="):
+        if self._connection_string:
             try:
-                self._client = ServiceBusClient.from_connection_string(self.url, **_RETRY)
+                self._client = ServiceBusClient.from_connection_string(self._address, **_RETRY)
             except ValueError as exc:
                 raise ConfigError(f"the Service Bus connection string is not valid: {exc}") from exc
         else:
@@ -326,12 +606,12 @@ class ServiceBusTransport(AsyncResource):
                 ) from exc
             self._credential = DefaultAzureCredential()
             self._client = ServiceBusClient(self._namespace, self._credential, **_RETRY)
-        self._renewer = AutoLockRenewer(max_lock_renewal_duration=MESSAGE_RENEWAL_SECONDS)
-        # Open the stream's sender now: a wrong address or key shows at start, not at the
-        # first event, and the agent needs this one connection anyway.
-        sender = await self._sender(self.channels.events_topic, topic=True)
+        self._message_renewer = AutoLockRenewer(max_lock_renewal_duration=MESSAGE_RENEWAL_SECONDS)
+        self._session_renewer = AutoLockRenewer(max_lock_renewal_duration=SESSION_RENEWAL_SECONDS)
+        # The start-up check: a wrong address or key shows now, not at the first event. The
+        # connection goes at once: the first publish opens its own.
         try:
-            await asyncio.wait_for(sender.__aenter__(), CONNECT_TIMEOUT)
+            await self._sender(self.channels.events_topic).check()
         except (ServiceBusError, TimeoutError, OSError) as exc:
             await self.close()
             raise TransportError(
@@ -342,22 +622,17 @@ class ServiceBusTransport(AsyncResource):
             raise ConfigError(f"the Service Bus settings are not usable: {exc}") from exc
 
     async def close(self) -> None:
-        for subscription in list(self._subscriptions):
-            await subscription.close()
-        self._subscriptions.clear()
-        handlers: list[Any] = [*self._senders.values(), *self._session_renewers]
-        self._session_renewers.clear()
-        if self._renewer is not None:
-            handlers.append(self._renewer)
-        if self._client is not None:
-            handlers.append(self._client)
-        if self._credential is not None:
-            handlers.append(self._credential)
-        self._senders.clear()
-        self._renewer, self._client, self._credential = None, None, None
-        # Each handler's close waits for its keep-alive task: close them together.
+        subscriptions, self._subscriptions = list(self._subscriptions), set()
+        await asyncio.gather(*(subscription.close() for subscription in subscriptions))
+        senders, self._senders = list(self._senders.values()), {}
+        handlers: list[Any] = [self._message_renewer, self._session_renewer]
+        handlers += [self._client, self._credential]
+        self._message_renewer = self._session_renewer = None
+        self._client = self._credential = None
+        # Each SDK handler's close waits for its keep-alive task: close them together.
+        closing = [s.close() for s in senders] + [h.close() for h in handlers if h is not None]
         results = await asyncio.wait_for(
-            asyncio.gather(*(h.close() for h in handlers), return_exceptions=True), CLOSE_TIMEOUT
+            asyncio.gather(*closing, return_exceptions=True), CLOSE_TIMEOUT
         )
         for result in results:
             if isinstance(result, BaseException):
@@ -368,75 +643,63 @@ class ServiceBusTransport(AsyncResource):
             raise TransportError("the Service Bus transport is not connected (use `async with`)")
         return self._client
 
+    @property
+    def link_down_for(self) -> float | None:
+        """None: the SDK opens a link per sender and receiver, and a receiver that loses its
+        link ends its subscription with a TransportError (which the stream reports)."""
+        return None
+
     def reply_address(self, vm: str) -> ReplyAddress:
         return ReplyAddress(channel=self.channels.approvals_queue, key=vm)
 
-    async def _sender(self, entity: str, *, topic: bool) -> ServiceBusSender:
-        client = self._require()
-        async with self._sender_lock:
-            sender = self._senders.get(entity)
-            if sender is None:
-                sender = (
-                    client.get_topic_sender(entity) if topic else client.get_queue_sender(entity)
-                )
-                self._senders[entity] = sender
-            return sender
-
-    @staticmethod
-    def _message(message: OutgoingMessage, *, session_id: str | None = None) -> ServiceBusMessage:
-        if len(message.body) > MAX_MESSAGE_BYTES:
-            raise PublishNotConfirmed(
-                f"message {message.message_id} has {len(message.body)} bytes; Service Bus "
-                f"Standard takes at most {MAX_MESSAGE_BYTES}"
+    def _sender(self, entity: str) -> _Sender:
+        sender = self._senders.get(entity)
+        if sender is None:
+            client = self._require()
+            make = (
+                (lambda: client.get_topic_sender(entity))
+                if entity == self.channels.events_topic
+                else (lambda: client.get_queue_sender(entity))
             )
-        # The SDK sends whole seconds (a TTL under 1 s would mean "never expires"): round up.
-        ttl = (
-            None
-            if message.ttl_seconds is None
-            else timedelta(seconds=max(1, math.ceil(message.ttl_seconds)))
-        )
-        return ServiceBusMessage(
-            message.body,
-            message_id=message.message_id,
-            content_type=message.content_type,
-            subject=message.routing_key or None,
-            application_properties=dict(message.properties),  # type: ignore[arg-type]
-            session_id=session_id,
-            time_to_live=ttl,
-        )
+            sender = _Sender(make, entity, self.settings)
+            self._senders[entity] = sender
+        return sender
 
-    async def _send(self, entity: str, message: ServiceBusMessage, *, topic: bool) -> None:
-        sender = await self._sender(entity, topic=topic)
+    async def _send(self, entity: str, message: ServiceBusMessage) -> None:
         try:
-            await sender.send_messages(message)
+            await self._sender(entity).send(message)
         except MessageSizeExceededError as exc:
             raise PublishNotConfirmed(
                 f"Service Bus refused message {message.message_id} as too large"
             ) from exc
         except ServiceBusError as exc:
-            # A failed sender may hold a dead link: the next send opens a new one.
-            self._senders.pop(entity, None)
             error = _entity_error(exc, entity)
             if isinstance(error, TransportError):
                 raise PublishNotConfirmed(
                     f"Service Bus did not take message {message.message_id} on {entity!r}: {exc}"
                 ) from exc
             raise error from exc
+        except TimeoutError as exc:
+            raise PublishNotConfirmed(f"message {message.message_id} was not sent: {exc}") from exc
+        except ValueError as exc:  # the SDK's "handler has already been shutdown": we closed
+            raise PublishNotConfirmed(
+                f"message {message.message_id} was not sent: the transport is closing"
+            ) from exc
 
     async def publish(self, message: OutgoingMessage) -> None:
         # Every lifecycle message carries one session id: a plain subscription ignores it, a
         # session-enabled one hands the whole stream, in order, to one receiver at a time.
-        message_ = self._message(message, session_id=STREAM_SESSION)
-        await self._send(self.channels.events_topic, message_, topic=True)
+        self._require()
+        await self._send(self.channels.events_topic, _outgoing(message, session_id=STREAM_SESSION))
 
     async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
+        self._require()
         if to.channel != self.channels.approvals_queue:
             raise ConfigError(
                 f"reply address {to} is not on this namespace's approvals queue "
                 f"{self.channels.approvals_queue!r}"
             )
-        session = to.key.casefold()
-        await self._send(to.channel, self._message(message, session_id=session), topic=False)
+        await self._send(to.channel, _outgoing(message, session_id=to.key.casefold()))
 
     async def declare_group(self, group: str, *, exclusive: bool | None = None) -> None:
         """Service Bus subscriptions are created by the operator (no AMQP call creates one):
@@ -463,9 +726,18 @@ class ServiceBusTransport(AsyncResource):
         self, factory: Callable[[ServiceBusClient], ServiceBusReceiver], entity: str, prefetch: int
     ) -> _ServiceBusSubscription:
         client = self._require()
-        subscription = _ServiceBusSubscription(lambda: factory(client), entity, prefetch=prefetch)
+        subscription = _ServiceBusSubscription(
+            lambda: factory(client),
+            entity,
+            prefetch=prefetch,
+            open_timeout=self.settings.connect_timeout,
+            on_close=self._forget,
+        )
         self._subscriptions.add(subscription)
         return subscription
+
+    def _forget(self, subscription: _ServiceBusSubscription) -> None:
+        self._subscriptions.discard(subscription)
 
     def subscribe(
         self, group: str, *, prefetch: int = 64, exclusive: bool = False, transient: bool = False
@@ -478,7 +750,7 @@ class ServiceBusTransport(AsyncResource):
         if exclusive:
             # One active consumer at a time, in order: the session-enabled subscription's one
             # session is locked by one receiver; the others wait until it is free.
-            renewer = self._session_renewer()
+            renewer = self._session_renewer
             return self._open(
                 lambda client: client.get_subscription_receiver(
                     topic, group, session_id=STREAM_SESSION, auto_lock_renewer=renewer
@@ -486,30 +758,30 @@ class ServiceBusTransport(AsyncResource):
                 f"{topic}/Subscriptions/{group} (session-enabled)",
                 prefetch,
             )
+        renewer = self._message_renewer
         return self._open(
             lambda client: client.get_subscription_receiver(
-                topic, group, auto_lock_renewer=self._renewer
+                topic, group, auto_lock_renewer=renewer
             ),
             f"{topic}/Subscriptions/{group}",
             prefetch,
         )
 
-    def _session_renewer(self) -> AutoLockRenewer:
-        renewer = AutoLockRenewer(max_lock_renewal_duration=SESSION_RENEWAL_SECONDS)
-        self._session_renewers.append(renewer)
-        return renewer
-
     def approvals(self, vm: str, *, prefetch: int = 8) -> _ServiceBusSubscription:
-        queue = self.channels.approvals_queue
-        session_renewer = self._session_renewer()
+        """The VM's session on the approvals queue: one connection and one receive link from
+        the first ``anext`` until it is closed. Cheap to open and close for every event.
+
+        Approvals are received one at a time, whatever ``prefetch`` says: a receive call that
+        asks for more waits 0.2 s after the first message for the rest (the SDK's "further
+        pull"), and an approval's round trip is what counts here."""
+        queue, session = self.channels.approvals_queue, vm.casefold()
+        renewer = self._session_renewer
         return self._open(
             lambda client: client.get_queue_receiver(
-                queue,
-                session_id=vm.casefold(),
-                auto_lock_renewer=session_renewer,
+                queue, session_id=session, auto_lock_renewer=renewer
             ),
-            f"{queue} (session {vm.casefold()})",
-            prefetch,
+            f"{queue} (session {session})",
+            1,
         )
 
     def dead_letters(self, group: str) -> _ServiceBusSubscription:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,6 +14,7 @@ from schemas import (
     ApprovalRejected,
     ConfigError,
     RejectReason,
+    SchemaError,
     key_id,
     new_approval,
     sign,
@@ -27,6 +29,7 @@ from schemas.approvals import (
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+VERSION = "0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture
@@ -39,15 +42,85 @@ def _trusted(*keys):
 
 
 def test_a_signed_approval_verifies_after_a_round_trip_through_json(key) -> None:
-    approval = sign(new_approval("EVT", "web-7", decided_by="policy", now=NOW), key)
+    approval = sign(
+        new_approval("EVT", "web-7", decided_by="policy", event_version=VERSION, now=NOW), key
+    )
     received = Approval.from_bytes(approval.to_bytes())
     verify(received, _trusted(key), vm_name="web-7", now=NOW + timedelta(minutes=1))
 
 
-def test_the_golden_approval_verifies_with_its_test_key() -> None:
-    approval = Approval.from_bytes((FIXTURES / "1.0" / "approval.json").read_bytes())
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+def test_the_golden_approvals_of_every_version_verify_with_their_test_key(version: str) -> None:
+    approval = Approval.from_bytes((FIXTURES / version / "approval.json").read_bytes())
     trusted = load_public_keys([FIXTURES / "keys" / "golden.pub"])
     verify(approval, trusted, vm_name="WestNO_0", now=approval.issued_at)
+    # 1.0 approvals named no event version: an agent of 1.1 verifies them, then refuses them
+    assert (approval.event_version is None) == (version == "1.0")
+
+
+def test_an_approval_with_a_field_of_a_newer_minor_version_verifies(key) -> None:
+    """The signed bytes are what the signer wrote, fields this version does not know included;
+    changing such a field after signing breaks the signature."""
+    approval = new_approval("EVT", "web-7", decided_by="policy", event_version=VERSION, now=NOW)
+    fields = json.loads(approval.to_bytes())
+    fields |= {"schemaversion": "1.9", "window": {"start": "02:00", "stop": 4}, "key_id": None}
+    fields["key_id"] = key_id(key.public_key())
+    canonical = {k: v for k, v in fields.items() if k != "signature"}
+    for name in ("issued_at", "expires_at"):
+        canonical[name] = (
+            NOW.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            if name == "issued_at"
+            else ((NOW + timedelta(minutes=10)).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+        )
+    signed_bytes = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
+    fields["signature"] = base64.b64encode(key.sign(signed_bytes)).decode()
+    received = Approval.from_bytes(json.dumps(fields))
+    verify(received, _trusted(key), vm_name="web-7", now=NOW)
+    fields["window"]["stop"] = 5
+    with pytest.raises(ApprovalRejected) as caught:
+        verify(Approval.from_bytes(json.dumps(fields)), _trusted(key), vm_name="web-7", now=NOW)
+    assert caught.value.reason is RejectReason.BAD_SIGNATURE
+
+
+def test_the_receivers_lifetime_cap_wins_over_what_the_signer_granted(key) -> None:
+    approval = sign(
+        new_approval(
+            "EVT",
+            "web-7",
+            decided_by="policy",
+            event_version=VERSION,
+            ttl=timedelta(days=30),
+            now=NOW,
+        ),
+        key,
+    )
+    later = NOW + timedelta(hours=2)
+    verify(approval, _trusted(key), vm_name="web-7", now=later)
+    with pytest.raises(ApprovalRejected, match="capped at 3600 s") as caught:
+        verify(approval, _trusted(key), vm_name="web-7", now=later, max_lifetime=timedelta(hours=1))
+    assert caught.value.reason is RejectReason.EXPIRED
+
+
+def test_an_approval_issued_in_the_future_is_refused(key) -> None:
+    approval = sign(
+        new_approval(
+            "EVT", "web-7", decided_by="policy", event_version=VERSION, now=NOW + timedelta(hours=1)
+        ),
+        key,
+    )
+    with pytest.raises(ApprovalRejected, match="in the future") as caught:
+        verify(approval, _trusted(key), vm_name="web-7", now=NOW, max_lifetime=timedelta(hours=1))
+    assert caught.value.reason is RejectReason.EXPIRED
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"[" * 100_000, b"\xff\xfe", b'{"approval_id": 1}', b"null", b"x" * 70_000],
+    ids=["deep", "not-utf8", "wrong-types", "null", "huge"],
+)
+def test_what_is_not_an_approval_is_a_schema_error_whatever_the_bytes(raw: bytes) -> None:
+    with pytest.raises(SchemaError):
+        Approval.from_bytes(raw)
 
 
 @pytest.mark.parametrize(
@@ -89,7 +162,9 @@ def test_the_golden_approval_verifies_with_its_test_key() -> None:
     ],
 )
 def test_each_failure_is_rejected_with_its_own_reason(key, tamper, reason) -> None:
-    approval = sign(new_approval("EVT", "web-7", decided_by="policy", now=NOW), key)
+    approval = sign(
+        new_approval("EVT", "web-7", decided_by="policy", event_version=VERSION, now=NOW), key
+    )
     with pytest.raises(ApprovalRejected) as caught:
         verify(
             tamper(approval, key, generate_signing_key()), _trusted(key), vm_name="web-7", now=NOW
@@ -98,7 +173,7 @@ def test_each_failure_is_rejected_with_its_own_reason(key, tamper, reason) -> No
 
 
 def test_the_canonical_encoding_does_not_depend_on_the_senders_time_zone(key) -> None:
-    approval = new_approval("EVT", "web-7", decided_by="policy", now=NOW)
+    approval = new_approval("EVT", "web-7", decided_by="policy", event_version=VERSION, now=NOW)
     shifted = approval.model_copy(
         update={"issued_at": approval.issued_at.astimezone(datetime.now().astimezone().tzinfo)}
     )

@@ -30,8 +30,8 @@ def test_the_asyncapi_document_names_both_brokers_channels_and_resolves_its_refs
         "autoDelete": False,
         "vhost": "/",
     }
-    assert channels["rabbitmqApprovals"]["bindings"]["amqp"]["exchange"]["type"] == "direct"
-    assert channels["rabbitmqApprovals"]["address"] == "scheduled-events.approvals"
+    assert channels["rabbitmqApprovals"]["bindings"]["amqp"]["exchange"]["type"] == "topic"
+    assert channels["rabbitmqApprovals"]["address"] == "scheduled-events.vm-approvals"
     assert channels["servicebusLifecycle"]["address"] == "scheduled-events"
     assert channels["servicebusApprovals"]["address"] == "scheduled-events-approvals"
     assert "session id = the VM name" in channels["servicebusApprovals"]["description"]

@@ -84,20 +84,9 @@ def test_unknown_future_values_and_fields_are_kept() -> None:
         {},
         {"DocumentIncarnation": "many", "Events": []},
         {"DocumentIncarnation": 1, "Events": [{"EventStatus": "Scheduled"}]},
-        {
-            "DocumentIncarnation": 1,
-            "Events": [
-                {
-                    "EventId": "a",
-                    "EventStatus": "Scheduled",
-                    "EventType": "Reboot",
-                    "NotBefore": "soon",
-                }
-            ],
-        },
         [],
     ],
-    ids=["empty", "bad-incarnation", "no-event-id", "bad-not-before", "not-an-object"],
+    ids=["empty", "bad-incarnation", "no-event-id", "not-an-object"],
 )
 def test_what_is_not_a_document_is_a_schema_error(raw: object) -> None:
     with pytest.raises(SchemaError):
@@ -120,3 +109,27 @@ def test_resources_match_case_insensitively() -> None:
     )
     assert event.affects("westno_0")
     assert not event.affects("WestNO_1")
+
+
+def test_one_malformed_not_before_keeps_every_event_and_the_raw_value() -> None:
+    """One bad field must not blind the agent to the other events: the event keeps what IMDS
+    sent, says it is not a date, and goes back on the wire unchanged."""
+    good = {
+        "EventId": "good",
+        "EventStatus": "Scheduled",
+        "EventType": "Freeze",
+        "Resources": ["web-1"],
+        "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT",
+    }
+    raw = {
+        "DocumentIncarnation": 1,
+        "Events": [good, {**good, "EventId": "bad", "NotBefore": "soon"}],
+    }
+    document = ScheduledEventsDocument.from_imds(raw)
+    ok, bad = document.events
+    assert ok.not_before_valid
+    assert ok.not_before is not None
+    assert not bad.not_before_valid
+    assert bad.not_before is None
+    assert bad.not_before_text == "soon"
+    assert document.to_imds()["Events"][1]["NotBefore"] == "soon"

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas import ScheduledEventsDocument, TransitionKind, diff
+from schemas import (
+    ReplyAddress,
+    ScheduledEventsDocument,
+    TransitionKind,
+    TransitionMessage,
+    VmIdentity,
+    diff,
+    revisions_after,
+)
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "imds"
 
@@ -177,3 +186,45 @@ def test_no_transition_without_a_change_and_replay_emits_nothing(
         changed = {i for i in before.keys() | after.keys() if before.get(i) != after.get(i)}
         assert {t.event.event_id for t in transitions} == changed
         previous = document
+
+
+def _ids(documents: list[ScheduledEventsDocument], vm: str = "web-1") -> list[tuple[str, str]]:
+    """(id, what happened) of every transition message an agent on ``vm`` would publish."""
+    identity = VmIdentity(name=vm)
+    reply = ReplyAddress(channel="approvals", key=vm)
+    previous: ScheduledEventsDocument | None = None
+    revisions: dict[str, int] = {}
+    out = []
+    for document in documents:
+        transitions = diff(previous, document, revisions)
+        for t in transitions:
+            message = TransitionMessage.build(
+                t, vm=identity, reply_to=reply, observed_at=datetime.now(UTC)
+            )
+            out.append((message.id, f"{t.event.event_id}/{t.kind.value}/{t.revision}"))
+        revisions = revisions_after(revisions, transitions, document)
+        previous = document
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_documents)
+def test_two_messages_share_an_id_exactly_when_they_are_the_same_transition(
+    states: list[dict[str, Any]],
+) -> None:
+    """Over random document sequences: every transition an agent reports has an id of its own
+    (updates back to earlier content included); computing them again from the same documents
+    (a replay after a crash) gives the same ids; another VM never shares one."""
+    documents = _build(states)
+    first = _ids(documents)
+    assert len({i for i, _ in first}) == len(first)
+    assert len({what for _, what in first}) == len(first)
+    assert _ids(documents) == first
+    assert not {i for i, _ in first} & {i for i, _ in _ids(documents, "web-2")}
+
+
+def test_an_event_that_comes_back_continues_its_revisions() -> None:
+    a = _event("A", "Scheduled", NotBefore="Mon, 11 Apr 2022 22:20:00 GMT")
+    docs = [_doc(1, a), _doc(2), _doc(3, a), _doc(4)]
+    kinds = [what for _, what in _ids(docs)]
+    assert kinds == ["A/scheduled/0", "A/canceled/1", "A/scheduled/2", "A/canceled/3"]

@@ -1,4 +1,15 @@
-"""Capped exponential backoff with full jitter, for every retry the agent makes."""
+"""Capped exponential backoff with jitter, for every retry the relay makes, on either side.
+
+The same class as ``publisher._backoff.Backoff`` (its model), here so that ``schemas`` (the
+transports) and ``consumers`` can use it too: one backoff in the project, not one per retry loop.
+
+::
+
+    backoff = Backoff(0.05, 1.0)
+    while not await attempt():
+        await asyncio.sleep(backoff.next())
+    backoff.reset()
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,326 @@
+"""Signed origins: how a VM proves that a lifecycle message is its own where the broker names no
+sender (Azure Service Bus).
+
+Each agent holds an Ed25519 key of its own (created in its state dir) and binds it to the VM's
+Azure identity with IMDS **attested data**: it asks ``/metadata/attested/document`` with the
+nonce :func:`key_nonce` of its public key, and Azure signs (PKCS#7) a document naming that nonce
+and the VM's ``vmId``. Every lifecycle message then travels with three application properties:
+
+=========================  ==================================================================
+``origin-key``             the agent's Ed25519 public key, base64 (32 bytes)
+``origin-signature``       Ed25519 over the message body, base64
+``origin-attestation``     the attested document's ``signature`` field as IMDS gave it (the
+                           base64 DER PKCS#7 that names the key's nonce and the VM's vmId)
+=========================  ==================================================================
+
+A consumer (:class:`OriginVerifier`) accepts a message only when the attestation is signed by a
+certificate it trusts (Azure's in production; the simulator's test CA in tests), its nonce is the
+key's, its vmId is the vmId the message claims, the message was written while the attestation
+was valid, and the body's signature verifies with the key. A holder of a VM's broker credential
+cannot make a message pass as another VM's: it would need that VM's attested document for a key
+it holds, and only that VM's IMDS signs it.
+
+Azure's attested document names the VM by ``vmId``, not by name; the name in a message is bound to
+the vmId the first time they are seen together (trust on first use, for the process) unless the
+operator gives an inventory (``name,vmId`` lines) that decides it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import csv
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigError, RelayError
+
+__all__ = [
+    "ATTESTATION",
+    "KEY",
+    "SIGNATURE",
+    "Attested",
+    "OriginRejected",
+    "OriginVerifier",
+    "key_nonce",
+    "load_trusted_certificates",
+]
+
+log = logging.getLogger(__name__)
+
+KEY = "origin-key"
+SIGNATURE = "origin-signature"
+ATTESTATION = "origin-attestation"
+
+#: How far a message's time may lie outside its attestation's validity (clock skew, a message
+#: written just before the agent refreshed its attestation and published just after).
+_SKEW = timedelta(minutes=10)
+_CACHE = 20_000
+
+
+class OriginRejected(RelayError):
+    """A message whose signed origin does not hold; the text says why."""
+
+
+def key_nonce(public_key: bytes) -> str:
+    """The attestation nonce that binds a raw 32-byte Ed25519 public key: the first 32 hex
+    digits of its SHA-256 (IMDS takes up to 32 letters and digits)."""
+    return hashlib.sha256(public_key).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Attested:
+    """What a verified attestation says."""
+
+    vm_id: str
+    subscription_id: str
+    nonce: str
+    created: datetime
+    expires: datetime
+
+
+def _azure_time(text: str) -> datetime:
+    # Azure: "11/30/20 21:19:19 -0000"
+    return datetime.strptime(text, "%m/%d/%y %H:%M:%S %z").astimezone(UTC)
+
+
+def load_trusted_certificates(paths: Iterable[Path]) -> list[Any]:
+    """The certificates attestations must chain to (PEM files, one or more each)."""
+    from cryptography import x509
+
+    found: list[Any] = []
+    for path in paths:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the attestation CA {path}: {exc.strerror}") from exc
+        try:
+            found.extend(x509.load_pem_x509_certificates(data))
+        except ValueError as exc:
+            raise ConfigError(f"{path} holds no PEM certificate: {exc}") from exc
+    if not found:
+        raise ConfigError("no attestation CA certificate given")
+    return found
+
+
+def _verify_signed_data(raw: bytes, trusted: list[Any], now: datetime) -> bytes:
+    """The content of a PKCS#7 SignedData whose signer chains to ``trusted``; else raise."""
+    from asn1crypto import cms
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+
+    try:
+        info = cms.ContentInfo.load(raw)
+        if info["content_type"].native != "signed_data":
+            raise OriginRejected("the attestation is not PKCS#7 signed data")
+        signed = info["content"]
+        content = signed["encap_content_info"]["content"].native
+        certificates = [
+            x509.load_der_x509_certificate(c.chosen.dump()) for c in signed["certificates"]
+        ]
+        (signer,) = signed["signer_infos"]
+        sid = signer["sid"].chosen
+        digest_name = signer["digest_algorithm"]["algorithm"].native
+        attributes = signer["signed_attrs"]
+        signature = signer["signature"].native
+    except OriginRejected:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise OriginRejected(f"the attestation is not readable PKCS#7: {exc}") from exc
+    if not isinstance(content, bytes):
+        raise OriginRejected("the attestation has no content")
+    algorithm: hashes.HashAlgorithm = {
+        "sha256": hashes.SHA256(),
+        "sha384": hashes.SHA384(),
+        "sha512": hashes.SHA512(),
+    }.get(digest_name) or hashes.SHA256()
+    if digest_name not in ("sha256", "sha384", "sha512"):
+        raise OriginRejected(f"the attestation's digest {digest_name} is not accepted")
+    serial = sid["serial_number"].native if "serial_number" in sid else None
+    signer_cert = next((c for c in certificates if c.serial_number == serial), None)
+    if signer_cert is None:
+        raise OriginRejected("the attestation does not carry its signing certificate")
+    if not (signer_cert.not_valid_before_utc <= now <= signer_cert.not_valid_after_utc):
+        raise OriginRejected("the attestation's signing certificate is not valid now")
+    _chains(signer_cert, certificates, trusted, now)
+    digest = hashes.Hash(algorithm)
+    digest.update(content)
+    expected = digest.finalize()
+    message_digest = None
+    if attributes:
+        for attribute in attributes:
+            if attribute["type"].native == "message_digest":
+                message_digest = attribute["values"][0].native
+        if message_digest != expected:
+            raise OriginRejected("the attestation's content does not match its digest")
+        signed_bytes = attributes.untag().dump()
+    else:
+        signed_bytes = content
+    key = signer_cert.public_key()
+    try:
+        if isinstance(key, rsa.RSAPublicKey):
+            key.verify(signature, signed_bytes, padding.PKCS1v15(), algorithm)
+        elif isinstance(key, ec.EllipticCurvePublicKey):
+            key.verify(signature, signed_bytes, ec.ECDSA(algorithm))
+        else:
+            raise OriginRejected("the attestation's key type is not accepted")
+    except InvalidSignature as exc:
+        raise OriginRejected("the attestation's signature does not verify") from exc
+    return content
+
+
+def _chains(cert: Any, carried: list[Any], trusted: list[Any], now: datetime) -> None:
+    """``cert`` is one of ``trusted`` or issued by one, directly or through carried or trusted
+    intermediates (at most three steps)."""
+    pool = [*carried, *trusted]
+    current = cert
+    for _ in range(4):
+        if any(current == anchor for anchor in trusted):
+            return
+        for candidate in pool:
+            if candidate == current:
+                continue
+            try:
+                current.verify_directly_issued_by(candidate)
+            except (ValueError, TypeError, Exception):
+                continue
+            if not (candidate.not_valid_before_utc <= now <= candidate.not_valid_after_utc):
+                continue
+            if any(candidate == anchor for anchor in trusted):
+                return
+            current = candidate
+            break
+        else:
+            break
+    raise OriginRejected("the attestation is not signed by a trusted certificate")
+
+
+class OriginVerifier:
+    """Checks signed origins (see the module docstring). ``inventory``: ``name,vmId`` pairs
+    that decide which vmId a VM name has (else the first one seen, for this process)."""
+
+    def __init__(
+        self,
+        trusted: list[Any],
+        *,
+        inventory: Mapping[str, str] | None = None,
+        subscriptions: Iterable[str] | None = None,
+    ) -> None:
+        self._trusted = trusted
+        self._inventory = {k.casefold(): v.casefold() for k, v in (inventory or {}).items()}
+        self._subscriptions = (
+            None if subscriptions is None else {s.casefold() for s in subscriptions}
+        )
+        self._pinned: dict[str, str] = {}
+        self._attested: OrderedDict[str, Attested] = OrderedDict()
+
+    @classmethod
+    def from_files(cls, ca: Iterable[Path], inventory: Path | None = None) -> OriginVerifier:
+        pairs: dict[str, str] = {}
+        if inventory is not None:
+            try:
+                with inventory.open(newline="") as handle:
+                    for row in csv.reader(handle):
+                        if len(row) >= 2 and not row[0].startswith("#"):
+                            pairs[row[0].strip()] = row[1].strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read the VM inventory {inventory}: {exc}") from exc
+        return cls(load_trusted_certificates(ca), inventory=pairs)
+
+    def attested(self, attestation: str, now: datetime) -> Attested:
+        """The verified content of an attestation (cached by its text)."""
+        known = self._attested.get(attestation)
+        if known is not None:
+            self._attested.move_to_end(attestation)
+            return known
+        try:
+            raw = base64.b64decode(attestation, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise OriginRejected("the attestation is not base64") from exc
+        content = _verify_signed_data(raw, self._trusted, now)
+        try:
+            document = json.loads(content)
+            stamp = document["timeStamp"]
+            result = Attested(
+                vm_id=str(document["vmId"]),
+                subscription_id=str(document.get("subscriptionId", "")),
+                nonce=str(document["nonce"]),
+                created=_azure_time(stamp["createdOn"]),
+                expires=_azure_time(stamp["expiresOn"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise OriginRejected(f"the attested document is not what Azure signs: {exc}") from exc
+        self._attested[attestation] = result
+        while len(self._attested) > _CACHE:
+            self._attested.popitem(last=False)
+        return result
+
+    def check(
+        self,
+        body: bytes,
+        properties: Mapping[str, object],
+        *,
+        vm_name: str,
+        vm_id: str,
+        written: datetime,
+        now: datetime | None = None,
+    ) -> None:
+        """Raise :class:`OriginRejected` unless ``body`` is signed by a key attested for the
+        VM ``vm_name`` with ``vm_id``, while the attestation was valid."""
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        key_text, signature_text, attestation = (
+            properties.get(KEY),
+            properties.get(SIGNATURE),
+            properties.get(ATTESTATION),
+        )
+        if not (
+            isinstance(key_text, str)
+            and isinstance(signature_text, str)
+            and isinstance(attestation, str)
+        ):
+            raise OriginRejected(
+                "the message is not signed (no origin key, signature or attestation)"
+            )
+        try:
+            key = base64.b64decode(key_text, validate=True)
+            signature = base64.b64decode(signature_text, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise OriginRejected("the origin key or signature is not base64") from exc
+        moment = now or datetime.now(UTC)
+        attested = self.attested(attestation, moment)
+        if attested.nonce != key_nonce(key):
+            raise OriginRejected("the attestation was not made for this message's key")
+        if not vm_id or attested.vm_id.casefold() != vm_id.casefold():
+            raise OriginRejected(
+                f"the attestation is for vmId {attested.vm_id}, the message claims {vm_id or '-'}"
+            )
+        if self._subscriptions is not None and (
+            attested.subscription_id.casefold() not in self._subscriptions
+        ):
+            raise OriginRejected(f"subscription {attested.subscription_id} is not trusted")
+        if not (attested.created - _SKEW <= written <= attested.expires + _SKEW):
+            raise OriginRejected("the message was written outside its attestation's validity")
+        name = vm_name.casefold()
+        expected = self._inventory.get(name) or self._pinned.setdefault(name, vm_id.casefold())
+        if expected != vm_id.casefold():
+            raise OriginRejected(
+                f"VM {vm_name} is vmId {expected}, not {vm_id}"
+                + ("" if name in self._inventory else " (the first one seen by this process)")
+            )
+        try:
+            Ed25519PublicKey.from_public_bytes(key).verify(signature, body)
+        except (InvalidSignature, ValueError) as exc:
+            raise OriginRejected(
+                "the body's signature does not verify with the origin key"
+            ) from exc

@@ -1,0 +1,151 @@
+"""The RabbitMQ connection: aio-pika's robust connection, jittered, quiet where it repeats us,
+and a refused login said in one line.
+
+A refused login or vhost is not a network problem, and aio-pika / aiormq report it badly: the
+first attempt logs "Connection ... closed. Reconnecting after 0.5 seconds." (it does not
+reconnect: the first connect fails fast), aiormq logs each failed TCP connect at ERROR before
+raising it, a refused vhost surfaces as ``Expected one of ['Connection.OpenOk'], got
+<Connection.Close object at 0x...>``, and while reconnecting every failed attempt is logged,
+twice a second. Here the caller gets one :class:`TransportError` that says what RabbitMQ
+refused, the libraries say nothing the caller does not already report, and a reconnect that
+keeps failing is logged once per reason, in the same words:
+
+================================== ===============================================================
+RabbitMQ answers                   :func:`connect_error` says
+================================== ===============================================================
+403 ACCESS_REFUSED at login         RabbitMQ at HOST refused the login for user X on vhost Y
+(wrong password, unknown user)      (wrong user name or password)
+530 NOT_ALLOWED at connection.open  RabbitMQ at HOST refused vhost Y to user X: vhost Y does not
+("vhost Y not found", "access to    exist or user X may not use it
+vhost 'Y' refused for user 'X'")
+================================== ===============================================================
+
+(aiormq drops the text of a NOT_ALLOWED close, so the two vhost cases read the same.)
+
+It stays a :class:`TransportError`, not a :class:`ConfigError`: the fix is on the broker as often
+as in our settings (the user or vhost created later, a password rotated, an LDAP or OAuth backend
+that was down), and an agent that keeps retrying recovers without a restart once it is fixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from urllib.parse import unquote, urlsplit
+
+import aio_pika
+import aiormq.exceptions
+
+from .._errors import TransportError
+from ._amqp_errors import reason
+
+__all__ = ["RelayConnection", "connect_error", "login"]
+
+#: aiormq logs this at ERROR before raising the same error to its caller, which reports it.
+_AIORMQ_DUPLICATE = "error when creating transport: %r"
+#: aio-pika logs this at WARNING for every failed reconnect attempt (args: connection, error,
+#: interval): twice a second for as long as a password is wrong or the broker is down.
+_RECONNECT_FAILED = 'Connection attempt to "%s" failed: %s. Reconnecting after %r seconds.'
+
+
+class _DropDuplicates(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != _AIORMQ_DUPLICATE
+
+
+class _OncePerReason(logging.Filter):
+    """A failed reconnect of a :class:`RelayConnection` is logged once per reason, in the words
+    of :func:`connect_error`; its repeats are dropped until the reason changes or it connects."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.msg != _RECONNECT_FAILED or not isinstance(args, tuple) or len(args) != 3:
+            return True
+        connection, exc = args[0], args[1]
+        if not isinstance(connection, RelayConnection) or not isinstance(exc, BaseException):
+            return True
+        return connection.reconnect_failed(record, exc)
+
+
+logging.getLogger("aiormq.connection").addFilter(_DropDuplicates())
+logging.getLogger("aio_pika.robust_connection").addFilter(_OncePerReason())
+
+
+class RelayConnection(aio_pika.RobustConnection):
+    """aio-pika's robust connection with three changes.
+
+    - It waits a fixed interval between reconnect attempts: a fleet cut off together would come
+      back in lock-step. Each read of the interval is spread by +/-20 %.
+    - An attempt to connect that fails is not a lost link: it does not log that it is
+      reconnecting (after a failed first connect it is not: ``connect`` raises) nor run the
+      close callbacks, which would say "lost the link" at every attempt of an outage.
+    - A failed reconnect is logged once per reason (a login refused after a password rotation,
+      the broker down), in one line, not at every attempt.
+    """
+
+    _base_interval: float = 0.5
+    _last_failure: str | None = None
+
+    def reconnect_failed(self, record: logging.LogRecord, exc: BaseException) -> bool:
+        """Rewrite aio-pika's record of a failed reconnect; False for a repeat (dropped)."""
+        text = str(connect_error(exc, str(self.url), str(self)))
+        if text == self._last_failure:
+            return False
+        self._last_failure = text
+        record.msg = "%s; reconnecting every ~%.1f s (not logged again until that changes)"
+        record.args = (text, self._base_interval)
+        return True
+
+    async def _on_connected(self) -> None:
+        self._last_failure = None
+        await super()._on_connected()
+
+    @property
+    def reconnect_interval(self) -> float:
+        return self._base_interval * random.uniform(0.8, 1.2)
+
+    @reconnect_interval.setter
+    def reconnect_interval(self, value: float) -> None:
+        self._base_interval = float(value)
+
+    async def _on_connection_close(self, closing: asyncio.Future[object]) -> None:
+        if not self.connected.is_set():
+            # An attempt that never connected (the first connect, or a reconnect): no link was
+            # lost. aio-pika would log "Reconnecting after" and run the close callbacks (the
+            # transport's "lost the link") at every attempt; the attempt's own failure is
+            # reported by connect()'s caller, or logged once per reason (_OncePerReason).
+            if closing.done() and not closing.cancelled():
+                closing.exception()  # retrieved, so asyncio does not log it as forgotten
+            return
+        await super()._on_connection_close(closing)
+
+
+def login(url: str) -> tuple[str, str]:
+    """(user, vhost) as the broker sees them: aiormq's defaults are ``guest`` and ``/``."""
+    split = urlsplit(url)
+    return unquote(split.username or "guest"), unquote(split.path[1:]) or "/"
+
+
+def connect_error(exc: BaseException, url: str, display_url: str) -> TransportError:
+    """The one-line error for a failed connect (or reconnect), naming what RabbitMQ refused."""
+    user, vhost = login(url)
+    host = urlsplit(display_url).netloc.rpartition("@")[2]
+    text = str(exc)
+    if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):
+        message = (
+            f"RabbitMQ at {host} refused the login for user {user!r} on vhost {vhost!r} "
+            "(wrong user name or password)"
+        )
+    elif (
+        isinstance(exc, aiormq.exceptions.InvalidFrameError)
+        and "Connection.OpenOk" in text
+        and "Connection.Close" in text
+    ):
+        message = (
+            f"RabbitMQ at {host} refused vhost {vhost!r} to user {user!r}: vhost {vhost!r} "
+            f"does not exist or user {user!r} may not use it"
+        )
+    else:
+        message = f"cannot connect to RabbitMQ at {display_url}: {reason(exc)}"
+    return TransportError(" ".join(message.split()))  # one line, whatever the broker said
