@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +14,13 @@ from tests.servicebus_double import EntityOptions, ServiceBusDouble
 LOCK_DURATION = 1.0
 MAX_DELIVERY_COUNT = 3
 CLOSE_TIMEOUT = 10.0
+
+
+async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    """Wait until ``predicate()`` holds (it reads the double's state: no event to wait on)."""
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 - the double's thread changes what it reads
+            await asyncio.sleep(0.02)
 
 
 @pytest.fixture

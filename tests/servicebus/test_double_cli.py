@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 from pathlib import Path
@@ -47,6 +48,49 @@ async def test_standalone_prints_its_address_serves_and_stops_on_sigterm() -> No
                 assert b"".join(got.body) == b"over the wire"
                 await rx.complete_message(got)
         process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 10) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_control_lines_report_usage_and_the_end_of_input_stops_it() -> None:
+    """Another process measures a client against the double through its stdin and stdout."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.servicebus_double",
+        "--queue",
+        "jobs",
+        "--control",
+        cwd=REPO_ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdin is not None
+    assert process.stdout is not None
+    try:
+        await asyncio.wait_for(process.stdout.readline(), 10)
+        connection_string = (await asyncio.wait_for(process.stdout.readline(), 5)).decode()
+
+        async def ask(command: str) -> str:
+            assert process.stdin is not None
+            assert process.stdout is not None
+            process.stdin.write(f"{command}\n".encode())
+            await process.stdin.drain()
+            return (await asyncio.wait_for(process.stdout.readline(), 5)).decode()
+
+        assert await ask("restart-usage") == "ok\n"
+        client = ServiceBusClient.from_connection_string(connection_string.strip())
+        async with client, client.get_queue_sender("jobs") as sender:
+            await sender.send_messages(ServiceBusMessage(b"x"))
+            usage = json.loads(await ask("usage"))
+        assert usage["connections"]["now"] == 1
+        assert usage["send_links_by_entity"]["jobs"]["opened"] == 1
+        assert "unknown command" in json.loads(await ask("nonsense"))["error"]
+        process.stdin.close()
         assert await asyncio.wait_for(process.wait(), 10) == 0
     finally:
         if process.returncode is None:

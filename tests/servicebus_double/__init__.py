@@ -11,6 +11,9 @@ Usage::
         client = ServiceBusClient.from_connection_string(sb.connection_string)
 
 or standalone: ``python -m tests.servicebus_double --port 0 --queue orders``.
+
+``usage()`` says how many connections and entity links the clients hold (now, at peak, and on
+average since ``restart_usage()``), to measure a client against the namespace's quotas.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from proton.reactor import ApplicationEvent, Container, EventInjector
 
 from ._amqp_server import ServiceBusHandler
 from ._broker import EntityOptions, Namespace
+from ._usage import Reading, Usage
 
-__all__ = ["EntityOptions", "Namespace", "ServiceBusDouble"]
+__all__ = ["EntityOptions", "Namespace", "Reading", "ServiceBusDouble", "Usage"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -89,6 +93,14 @@ class ServiceBusDouble:
             f"Endpoint=sb://{self.host}:{self.port};SharedAccessKeyName=k;"
             "SharedAccessKey=s;UseDevelopmentEmulator=true"
         )
+
+    def usage(self) -> Usage:
+        """Connections and entity links held now, at peak and on average over the window."""
+        return self._handler.usage.snapshot()
+
+    def restart_usage(self) -> None:
+        """Begin a new measurement window (peaks and means start from the current counts)."""
+        self._handler.usage.restart()
 
     def start(self) -> ServiceBusDouble:
         if self._thread is not None:

@@ -4,15 +4,21 @@
         --topic events:audit,billing --lock-duration 5 --max-delivery-count 3
 
 The first line on stdout is ``listening on HOST:PORT``; the second is the connection string.
+With ``--control``, each line on stdin is a command, answered with one line on stdout:
+``usage`` (the connections and links held, as JSON: see ``ServiceBusDouble.usage``) or
+``restart-usage`` (a new measurement window; answers ``ok``). End of input stops the double,
+so another process can measure a client that runs elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
+from dataclasses import asdict
 from types import FrameType
 
 from . import EntityOptions, ServiceBusDouble
@@ -54,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="0 turns duplicate detection off",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="answer 'usage' and 'restart-usage' lines on stdin; stop at the end of stdin",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -86,9 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     with double:
         print(f"listening on {args.host}:{double.port}", flush=True)
         print(double.connection_string, flush=True)
+        if args.control:
+            threading.Thread(target=_serve_control, args=(double, stop), daemon=True).start()
         while not stop.wait(0.5):
             pass
     return 0
+
+
+def _serve_control(double: ServiceBusDouble, stop: threading.Event) -> None:
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "usage":
+            print(json.dumps(asdict(double.usage())), flush=True)
+        elif command == "restart-usage":
+            double.restart_usage()
+            print("ok", flush=True)
+        elif command:
+            print(json.dumps({"error": f"unknown command {command!r}"}), flush=True)
+    stop.set()
 
 
 if __name__ == "__main__":

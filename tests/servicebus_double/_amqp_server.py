@@ -14,6 +14,8 @@ found by reading its ``_pyamqp`` sources and trying:
   session id the receiver got;
 - ``<entity>/$management``: lock renewal, session lock and state, peek, update-disposition
   and receive-by-sequence-number.
+
+``usage`` counts the connections and entity links the clients hold (see ``_usage``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from ._broker import (
     NotAllowed,
     StoredMessage,
 )
+from ._usage import UsageMeter
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ DEFAULT_SESSION_WAIT = 60.0
 TICK_SECONDS = 0.05
 RECEIVER_CREDIT = 100
 STOP_GRACE_SECONDS = 2.0
+LISTEN_BACKLOG = 1024
 
 
 class _ForceStop:
@@ -94,6 +98,8 @@ class _LinkState:
     requires_session: bool = False
     session_id: str | None = None
     pending_until: float | None = None
+    #: Counted in ``usage`` (an entity link the double opened, until it goes away).
+    counted: bool = False
 
 
 def _ticks(epoch_seconds: float) -> int:
@@ -150,6 +156,7 @@ class ServiceBusHandler(Handler):
         self._stopping = False
         self.injector: EventInjector | None = None
         self._container: Container | None = None
+        self.usage = UsageMeter()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -160,6 +167,10 @@ class ServiceBusHandler(Handler):
         # port the kernel picked back from the listening socket.
         self.acceptor = container.acceptor(self._host, cast(str, self._requested_port))
         sock = cast(socket.socket, self.acceptor._selectable._delegate)
+        # proton listens with a backlog of 10 and accepts one connection per turn of its loop:
+        # clients that open many connections at once (one per SDK sender or receiver) would
+        # see their SYNs dropped and connect seconds later.
+        sock.listen(LISTEN_BACKLOG)
         self.port = int(sock.getsockname()[1])
         _LOGGER.info("listening on %s:%d", self._host, self.port)
         self._tick_task = container.schedule(TICK_SECONDS, self)
@@ -201,7 +212,9 @@ class ServiceBusHandler(Handler):
     def on_connection_bound(self, event: Event) -> None:
         transport = cast(Transport, event.transport)
         transport.sasl().allowed_mechs("ANONYMOUS")
-        self._connections.add(event.connection)
+        if event.connection not in self._connections:
+            self._connections.add(event.connection)
+            self.usage.connection(+1)
 
     def on_connection_remote_open(self, event: Event) -> None:
         connection = cast(Connection, event.connection)
@@ -227,7 +240,9 @@ class ServiceBusHandler(Handler):
     def on_transport_closed(self, event: Event) -> None:
         if event.connection is not None:
             self._forget_connection(event.connection)
-            self._connections.discard(event.connection)
+            if event.connection in self._connections:
+                self._connections.discard(event.connection)
+                self.usage.connection(-1)
         if self._stopping and not self._connections and self._container is not None:
             self._container.stop()
 
@@ -241,6 +256,7 @@ class ServiceBusHandler(Handler):
         if link is None:
             return
         state: _LinkState = link.sb_state
+        self._uncount(link, state)
         if state.session_id is not None and state.pending_until is None:
             self.namespace.release_session(state.path, state.session_id, state.owner)
             self._pump_all()
@@ -343,10 +359,18 @@ class ServiceBusHandler(Handler):
             if locked_until is not None:
                 link.properties = {SESSION_LOCKED_UNTIL: _ticks(locked_until)}
         link.open()
+        if state.kind is _Kind.ENTITY and not state.counted:
+            state.counted = True
+            self.usage.link(state.path, +1, receive=link.is_sender)
         if link.is_receiver:
             link.flow(RECEIVER_CREDIT)
         else:
             self._pump(link)
+
+    def _uncount(self, link: Link, state: _LinkState) -> None:
+        if state.counted:
+            state.counted = False
+            self.usage.link(state.path, -1, receive=link.is_sender)
 
     def _serve_pending_sessions(self) -> None:
         now = time.monotonic()
@@ -417,6 +441,7 @@ class ServiceBusHandler(Handler):
             except BrokerError as exc:
                 _LOGGER.info("closing receiver %s: %s", state.owner, exc.description)
                 self._links.pop(state.owner, None)
+                self._uncount(link, state)
                 link.condition = Condition(exc.condition, exc.description)
                 link.close()
                 return

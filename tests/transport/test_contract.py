@@ -9,11 +9,17 @@ import asyncio
 
 import pytest
 
-from schemas import PublishNotConfirmed, TransportError
-from schemas.transport import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON, Transport
+from schemas import MessageRefused, PublishNotConfirmed, TransportError
+from schemas.transport import (
+    DEAD_LETTER_DESCRIPTION,
+    DEAD_LETTER_REASON,
+    ORIGINAL_SENDER,
+    Transport,
+)
 
 from ._helpers import assert_nothing, outgoing, receive
 from .backends import Backend
+from .proxy import TcpProxy
 
 BOUND = 30  # seconds: no test may take longer
 
@@ -292,3 +298,147 @@ async def test_an_unreachable_broker_is_a_transport_error(backend: Backend) -> N
     assert loop.time() - started < 10
     assert isinstance(caught.value.__cause__, BaseException)
     assert "guest:guest" not in str(caught.value)
+
+
+# -- nothing lost while nobody listens, nothing blocked by one refusal --------------------------
+
+
+@pytest.mark.parametrize("declared_by", ["declare_group", "subscribe"])
+async def test_a_message_published_before_any_group_reaches_the_first_group(
+    backend: Backend, declared_by: str
+) -> None:
+    if backend.drops_without_groups:
+        pytest.skip(backend.drops_without_groups)
+    group, later_group = backend.group("audit"), backend.group("fleet")
+    properties: dict[str, str | int | float | bool] = {"vm": "web-7", "cloudEvents:sequence": 3}
+    async with asyncio.timeout(BOUND), backend.transport() as agent, backend.transport() as central:
+        early = outgoing(
+            "before any group", routing_key="started.Reboot.web-7", properties=properties
+        )
+        await agent.publish(early)
+        if declared_by == "declare_group":
+            await central.declare_group(group)
+        late = outgoing("after the group")
+        async with central.subscribe(group) as subscription:
+            await agent.publish(late)
+            got = {}
+            for _ in range(2):
+                delivery = await receive(subscription, within=10)
+                got[delivery.message_id] = delivery
+                await delivery.ack()
+            await assert_nothing(subscription, 0.5)  # once
+        await central.declare_group(later_group)  # it went to the first group, not to each
+        async with central.subscribe(later_group) as subscription:
+            await assert_nothing(subscription, 0.5)
+    assert set(got) == {early.message_id, late.message_id}
+    kept = got[early.message_id]
+    assert kept.body == early.body
+    assert kept.routing_key == early.routing_key
+    assert kept.content_type == early.content_type
+    assert dict(kept.properties) == properties
+    assert kept.delivery_count == 0
+    assert kept.sender == backend.sender
+
+
+async def test_a_refused_message_does_not_block_the_next_ones(backend: Backend) -> None:
+    if backend.refused_message is None:
+        pytest.skip(f"no way to make a {backend.name} broker refuse one message")
+    group = backend.group("audit")
+    async with asyncio.timeout(BOUND), backend.transport() as transport:
+        await transport.declare_group(group)
+        refused = await backend.refused_message(transport)
+        with pytest.raises(PublishNotConfirmed) as caught:
+            await transport.publish(refused)
+        # Refused for good: the sender sets it aside instead of trying it again.
+        assert isinstance(caught.value, MessageRefused) == backend.refuses_for_good
+        sent = [outgoing(f"next {n}") for n in range(2)]
+        for message in sent:
+            await transport.publish(message)
+        async with transport.subscribe(group) as subscription:
+            ids: list[str] = []
+            while not set(ids) >= {m.message_id for m in sent}:
+                delivery = await receive(subscription)
+                ids.append(delivery.message_id)
+                await delivery.ack()
+    # (RabbitMQ nacks when one queue refused it; the others may have kept their copy.)
+    assert [i for i in ids if i != refused.message_id] == [m.message_id for m in sent]
+
+
+async def test_a_message_arrives_with_its_sender(backend: Backend) -> None:
+    group = backend.group("audit")
+    async with asyncio.timeout(BOUND), backend.transport() as transport:
+        await transport.declare_group(group)
+        await transport.publish(outgoing())
+        async with transport.subscribe(group) as subscription:
+            delivery = await receive(subscription)
+            await delivery.ack()
+    assert delivery.sender == backend.sender
+
+
+async def test_a_dead_letter_names_the_original_sender(backend: Backend) -> None:
+    group = backend.group("policy")
+    async with asyncio.timeout(BOUND), backend.transport() as transport:
+        await transport.declare_group(group)
+        await transport.publish(outgoing("poison"))
+        async with transport.subscribe(group) as subscription:
+            await (await receive(subscription)).dead_letter("schema", "not JSON")
+        async with transport.dead_letters(group) as dead:
+            letter = await receive(dead)
+            await letter.ack()
+    if backend.sender is None:
+        assert ORIGINAL_SENDER not in letter.properties
+    else:
+        assert letter.properties[ORIGINAL_SENDER] == backend.sender
+
+
+# -- a cut link ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_consumer_keeps_receiving_after_a_five_second_cut(backend: Backend) -> None:
+    if backend.address is None or backend.via is None:
+        pytest.skip(f"a {backend.name} broker has no link to cut")
+    group = backend.group("audit")
+    acked: list[str] = []
+    async with (
+        asyncio.timeout(BOUND + 30),
+        TcpProxy(*backend.address) as proxy,
+        backend.transport() as publisher,
+        backend.via(proxy.port) as consumer,
+    ):
+        await publisher.declare_group(group)
+        async with consumer.subscribe(group, prefetch=4) as subscription:
+            before = outgoing("acked before the cut")
+            await publisher.publish(before)
+            delivery = await receive(subscription)
+            await delivery.ack()
+            acked.append(delivery.message_id)
+            held = outgoing("held across the cut")
+            await publisher.publish(held)
+            in_hand = await receive(subscription)
+            assert in_hand.message_id == held.message_id
+            await proxy.cut()
+            during = outgoing("published during the cut")
+            await publisher.publish(during)
+            await asyncio.sleep(5)
+            await proxy.restore()
+            try:
+                await in_hand.ack()
+            except TransportError:
+                pass  # its channel or lock went with the link: the broker delivers it again
+            else:
+                acked.append(in_hand.message_id)
+            after = outgoing("published after the cut")
+            await publisher.publish(after)
+            expected = {held.message_id, during.message_id, after.message_id}
+            while not expected <= set(acked):
+                delivery = await receive(subscription, within=30)
+                assert delivery.message_id != before.message_id, "an acked message came back"
+                try:
+                    await delivery.ack()
+                except TransportError:
+                    continue  # lost again before it was settled: it comes back
+                acked.append(delivery.message_id)
+            await assert_nothing(subscription, 1.0)
+    duplicates = {i for i in acked if acked.count(i) > 1}
+    assert not duplicates, f"acked twice: {duplicates}"

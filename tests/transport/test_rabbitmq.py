@@ -4,6 +4,7 @@ message properties on the wire, and a link cut and restored by a TCP proxy."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import subprocess
 import sys
@@ -353,3 +354,38 @@ async def test_a_nack_is_not_confirmed(rabbit: RabbitMQTransport, amqp_url: str)
                     await rabbit.publish(outgoing())
             finally:
                 await queue.delete(if_unused=False, if_empty=False)
+
+
+@pytest.mark.rabbitmq
+async def test_cancelling_a_subscription_while_it_opens_is_a_cancel_not_a_link_error(
+    rabbit: RabbitMQTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop (SIGTERM) cancels whatever is opening a consumer or declaring: the caller must
+    see the cancel, never a TransportError it would take for a lost link and retry (the agent
+    did, and never stopped), and the connection must survive it (a cancel cut into aiormq's
+    channel opening made RabbitMQ close the whole connection). Cancelled at many points."""
+    opened = 0
+
+    async def hold() -> None:
+        nonlocal opened
+        async with rabbit.approvals("vm-1"):
+            opened += 1
+            await asyncio.Event().wait()
+
+    async with asyncio.timeout(BOUND):
+        for step in range(40):
+            task = asyncio.create_task(hold())
+            await asyncio.sleep(step * 0.0005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert 0 < opened < 40, "the cancels should land at every stage, opened or not"
+        for step in range(20):
+            task = asyncio.create_task(rabbit.declare_group("g"))
+            await asyncio.sleep(step * 0.0005)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await rabbit.publish(outgoing())
+    lost = [r.getMessage() for r in caplog.records if "lost the link" in r.getMessage()]
+    assert not lost

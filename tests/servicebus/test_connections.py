@@ -1,0 +1,291 @@
+"""What the Service Bus transport holds on the namespace, counted by the double: a sender only
+around its sends, a session receiver only while the approvals subscription is open."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import uuid
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from schemas import ChannelNames, ConfigError, PublishNotConfirmed
+from schemas.transport.servicebus import (
+    ServiceBusSettings,
+    ServiceBusTransport,
+    parse_servicebus_address,
+)
+from tests.servicebus.conftest import eventually
+from tests.servicebus_double import EntityOptions, ServiceBusDouble
+from tests.transport._helpers import outgoing, receive
+from tests.transport.proxy import TcpProxy
+
+pytestmark = [pytest.mark.servicebus, pytest.mark.timeout(60)]
+
+IDLE = 0.5  # seconds: the tests' sender idle timeout
+
+
+@pytest.fixture
+def channels() -> ChannelNames:
+    return ChannelNames().suffixed(uuid.uuid4().hex[:8])
+
+
+@pytest.fixture
+def double(channels: ChannelNames) -> Iterator[ServiceBusDouble]:
+    with ServiceBusDouble(
+        topics={channels.events_topic: ["audit"]},
+        session_queues=[channels.approvals_queue],
+        options=EntityOptions(lock_duration=5.0),
+    ) as double:
+        yield double
+
+
+def _address(double: ServiceBusDouble, idle: float = IDLE) -> str:
+    return f"{double.connection_string};sender_idle_timeout={idle:g}"
+
+
+def test_options_come_from_the_connection_string_or_the_url_and_the_sdk_never_sees_them() -> None:
+    conn = "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=s"
+    sdk, settings = parse_servicebus_address(f"{conn};Sender_Idle_Timeout=2.5")
+    assert sdk == conn
+    assert settings.sender_idle_timeout == 2.5
+    assert parse_servicebus_address(conn)[1] == ServiceBusSettings()
+    url, settings = parse_servicebus_address("sb://ns?sender_idle_timeout=0")
+    assert (url, settings.sender_idle_timeout) == ("sb://ns", 0.0)
+    with pytest.raises(ConfigError, match="sender_idle_timeout"):
+        parse_servicebus_address(f"{conn};sender_idle_timeout=-1")
+    with pytest.raises(ConfigError, match="unknown Service Bus option 'idle'"):
+        parse_servicebus_address("sb://ns?idle=3")
+
+
+async def test_the_start_up_check_connects_and_then_lets_the_connection_go(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """Whatever the idle timeout (a central service that never publishes may set minutes)."""
+    async with ServiceBusTransport(_address(double, idle=300), channels):
+        # connect() opened the stream's sender: the address and the key were good.
+        assert double.usage().send_links_by_entity[channels.events_topic].opened == 1
+        await eventually(lambda: double.usage().connections.now == 0, within=2)
+
+
+async def test_an_idle_sender_is_closed_and_the_next_publish_opens_a_new_one(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    async with ServiceBusTransport(_address(double), channels) as transport:
+        await transport.publish(outgoing("first"))
+        await eventually(lambda: double.usage().connections.now == 0, within=IDLE + 3)
+        await transport.publish(outgoing("second"))
+        assert double.usage().connections.now == 1
+        # A burst shares one connection: the idle timer starts again after each send.
+        for n in range(3):
+            await transport.publish(outgoing(f"burst {n}"))
+        usage = double.usage()
+        # The start-up check's sender, the first publish's, the second's (shared by the burst).
+        assert usage.send_links_by_entity[channels.events_topic].opened == 3
+    audit = f"{channels.events_topic}/Subscriptions/audit"
+    assert double.namespace.count(audit) == 5
+
+
+async def test_concurrent_publishes_during_an_idle_close_all_arrive(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """Sends that race the idle timer never meet a closed sender (the SDK cannot send on a
+    closed one: 'The handler has already been shutdown')."""
+    async with ServiceBusTransport(_address(double, idle=0), channels) as transport:
+        await asyncio.gather(*(transport.publish(outgoing(f"m{n}")) for n in range(8)))
+        await asyncio.gather(*(transport.publish(outgoing(f"n{n}")) for n in range(8)))
+    assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 16
+
+
+async def test_an_approvals_subscription_holds_one_receive_link_only_while_open(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    async with (
+        ServiceBusTransport(_address(double), channels) as agent,
+        ServiceBusTransport(_address(double), channels) as approver,
+    ):
+        queue = channels.approvals_queue
+        for round_ in range(3):
+            async with agent.approvals("vm-1") as inbox:
+                sent = outgoing(f"approve {round_}", routing_key="vm-1", ttl_seconds=60)
+                await approver.send_approval(agent.reply_address("vm-1"), sent)
+                got = await receive(inbox)
+                await got.ack()
+                assert got.message_id == sent.message_id
+                assert double.usage().receive_links_by_entity[queue].now == 1
+            assert double.usage().receive_links.now == 0
+        await eventually(lambda: double.usage().connections.now == 0, within=IDLE + 3)
+
+
+async def test_a_closed_approvals_subscription_is_not_kept_by_the_transport(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """The agent opens and closes its approvals for every event: nothing may pile up."""
+    async with ServiceBusTransport(_address(double), channels) as agent:
+        inbox = agent.approvals("vm-1")
+        async with inbox:
+            task = asyncio.ensure_future(anext(inbox))
+            await eventually(lambda: double.usage().receive_links.now == 1)
+            task.cancel()
+        gone = weakref.ref(inbox)
+        del inbox, task
+        gc.collect()
+        assert gone() is None
+
+
+async def test_application_properties_keep_their_types_bytes_included(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """The SDK reads AMQP strings and binaries alike as bytes; a signature must stay bytes and
+    a text property text."""
+    signature = bytes(range(256))[::-3]  # not UTF-8
+    properties = {"sig": signature, "ascii": b"plain", "vm": "web-7", "n": 3, "ok": True}
+    async with ServiceBusTransport(_address(double), channels) as transport:
+        await transport.publish(outgoing(properties=properties))  # type: ignore[arg-type]
+        async with transport.subscribe("audit") as subscription:
+            got = await receive(subscription)
+            await got.ack()
+    assert dict(got.properties) == properties
+    assert isinstance(got.properties["ascii"], bytes)
+    assert isinstance(got.properties["vm"], str)
+
+
+async def test_an_approval_is_handed_over_as_it_arrives(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """A receive call asking for a batch waits 0.2 s after the first message for more (the SDK's
+    'further pull'); an approval is one message, and every 0.2 s counts in the round trip."""
+    loop = asyncio.get_running_loop()
+    async with (
+        ServiceBusTransport(double.connection_string, channels) as agent,
+        ServiceBusTransport(double.connection_string, channels) as approver,
+        agent.approvals("vm-1") as inbox,
+    ):
+        took = []
+        for n in range(4):
+            began = loop.time()
+            await approver.send_approval(agent.reply_address("vm-1"), outgoing(f"a{n}"))
+            await (await receive(inbox)).ack()
+            took.append(loop.time() - began)
+    assert min(took[1:]) < 0.15, took  # the first one waited for the receiver to open
+
+
+def _close_what_the_sdk_left_open() -> int:
+    """The SDK's close returns early for a connection whose open never reached its AMQP session
+    (``AMQPClientAsync.close_async`` in ``_pyamqp/aio/_client_async.py``: ``if not
+    self._session: return``), so the socket of an open that stalled stays open, registered with
+    the event loop, until the loop closes. Close those here, once the test's own connections are
+    closed, so the next test does not meet their ResourceWarning; returns how many."""
+    gc.collect()
+    left = [
+        writer
+        for writer in gc.get_objects()
+        if isinstance(writer, asyncio.StreamWriter) and not writer.transport.is_closing()
+    ]
+    for writer in left:
+        writer.transport.abort()
+    return len(left)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("sender", ["open", "reopened"])
+async def test_a_stalled_link_fails_the_publish_in_time_and_the_next_one_reconnects(
+    double: ServiceBusDouble, channels: ChannelNames, sender: str
+) -> None:
+    """The SDK waits for ever on a link that went silent, at a send and at an open (a publish
+    after an idle close opens a sender): the transport bounds both."""
+    async with TcpProxy(double.host, double.port) as proxy:
+        address = (
+            f"Endpoint=sb://127.0.0.1:{proxy.port};SharedAccessKeyName=k;SharedAccessKey=s;"
+            "UseDevelopmentEmulator=true;connect_timeout=2;send_timeout=2;"
+            f"sender_idle_timeout={60 if sender == 'open' else IDLE}"
+        )
+        async with ServiceBusTransport(address, channels) as transport:
+            await transport.publish(outgoing("before"))
+            if sender == "reopened":
+                await eventually(lambda: double.usage().connections.now == 0, within=IDLE + 3)
+            proxy.pause()
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            with pytest.raises(PublishNotConfirmed, match="no answer within 2 s"):
+                await transport.publish(outgoing("stalled"))
+            assert loop.time() - began < 5
+            proxy.resume()
+            await transport.publish(outgoing("after"))
+    _close_what_the_sdk_left_open()
+
+
+class _SilentOnce:
+    """Forwards to the double, except that its ``nth`` connection is accepted and never answered
+    (a link that went silent), so only a bounded open gets past it."""
+
+    def __init__(self, host: str, port: int, *, nth: int) -> None:
+        self._target = (host, port)
+        self._nth = nth
+        self._accepted = 0
+        self._server: asyncio.Server | None = None
+        self._silent: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def __aenter__(self) -> _SilentOnce:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._silent:
+            writer.transport.abort()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._accepted += 1
+        if self._accepted == self._nth:
+            self._silent.append(writer)
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self._target)
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (OSError, asyncio.CancelledError):
+                pass
+            finally:
+                sink.transport.abort()
+
+        for task in (pump(reader, up_writer), pump(up_reader, writer)):
+            self._tasks.add(asyncio.ensure_future(task))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_an_approvals_receiver_that_stalls_while_opening_is_opened_again(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """The agent opens its approvals when an event appears: a link that is silent just then
+    must not keep the approval from it."""
+    async with (
+        ServiceBusTransport(double.connection_string, channels) as approver,
+        _SilentOnce(double.host, double.port, nth=2) as proxy,  # 1: the start-up check
+    ):
+        address = (
+            f"Endpoint=sb://127.0.0.1:{proxy.port};SharedAccessKeyName=k;SharedAccessKey=s;"
+            "UseDevelopmentEmulator=true;connect_timeout=1"
+        )
+        sent = outgoing("approve", routing_key="vm-1", ttl_seconds=60)
+        async with (
+            ServiceBusTransport(address, channels) as agent,
+            agent.approvals("vm-1") as inbox,
+        ):
+            await approver.send_approval(agent.reply_address("vm-1"), sent)
+            got = await receive(inbox, within=20)
+            await got.ack()
+    _close_what_the_sdk_left_open()
+    assert got.message_id == sent.message_id
