@@ -1,8 +1,19 @@
-"""The admin API (JSON), for tests, scenarios and users: VMs, events, faults, the request log.
+"""The admin API (JSON), for tests, scenarios and users: VMs and their topology, events, faults,
+the request log.
 
 Event bodies use IMDS's PascalCase names; VMs, faults and requests use lowercase ones. Errors
 are ``{"error": "..."}``: 400 names the bad field, 404 an unknown VM or event, 409 a step the
 event's state does not allow (or a VM that exists already).
+
+``PATCH /admin/events/{id}`` updates a Scheduled event in place (``EventType``, ``Resources``,
+``NotBeforeSeconds`` as a new notice from now, ``DurationInSeconds``, ``Description``).
+``POST /admin/faults`` takes a :class:`FaultSpec`: whom (``vm``, ``endpoint``), how often
+(``times``) and one kind: ``status``, ``delay_seconds``, ``body``, ``stale`` (an older document),
+``reset`` (DocumentIncarnation 0), ``drip_seconds`` (a byte at a time), ``huge_mb``.
+``GET /admin/attestation/ca.pem`` is the CA certificate that attested documents chain to.
+``GET /admin/requests/stats[?vm=NAME]`` counts each VM's requests since the last
+``DELETE /admin/requests/stats``: total, the most in any one-second window, and by endpoint,
+method and status.
 """
 
 from __future__ import annotations
@@ -25,9 +36,10 @@ from ._errors import (
     UnknownVmError,
     describe_validation_error,
 )
-from ._events import EventSpec, EventState
+from ._events import EventSpec, EventState, EventUpdate
 from ._faults import FaultSpec
 from ._simulator import Simulator
+from ._topology import Topology
 
 __all__ = ["admin_routes"]
 
@@ -123,21 +135,42 @@ class _Admin:
 
     async def list_vms(self, request: Request) -> Response:
         sim = self._sim
-        vms = [{"name": n, "incarnation": sim.incarnation(n)} for n in sim.vm_names()]
-        return JSONResponse({"default": sim.default_vm, "vms": vms})
+        vms = [{"name": n, "incarnation": sim.incarnation(n)} for n in sim.served_vm_names()]
+        shard = sim.config.shard
+        return JSONResponse(
+            {"default": sim.default_vm, "shard": None if shard is None else str(shard), "vms": vms}
+        )
 
     async def get_vm(self, request: Request) -> Response:
         sim = self._sim
         name = request.path_params["name"]
         document = sim.scheduled_events_document(name)
+        membership = sim.membership(name)
         return JSONResponse(
             {
                 "name": name,
                 "incarnation": document["DocumentIncarnation"],
                 "events": [e["EventId"] for e in document["Events"]],
                 "compute": sim.identity(name).compute(),
+                "availability_set": membership.availability_set,
+                "sees_events_of": list(sim.group_of(name)),
             }
         )
+
+    # -- topology
+
+    async def add_topology(self, request: Request) -> Response:
+        topology = _validate(Topology, await _body(request))
+        names = self._sim.add_topology(topology)
+        return JSONResponse({"vms": names}, status_code=201)
+
+    async def describe_topology(self, request: Request) -> Response:
+        return JSONResponse(self._sim.describe_topology())
+
+    # -- attestation
+
+    async def attestation_ca(self, request: Request) -> Response:
+        return Response(self._sim.attestation_ca_pem, media_type="application/x-pem-file")
 
     # -- events
 
@@ -158,6 +191,11 @@ class _Admin:
 
     async def get_event(self, request: Request) -> Response:
         return JSONResponse(self._sim.get_event(request.path_params["event_id"]).to_json())
+
+    async def update_event(self, request: Request) -> Response:
+        update = _validate(EventUpdate, await _body(request))
+        event_id = request.path_params["event_id"]
+        return JSONResponse(self._sim.apply_update(event_id, update).to_json())
 
     async def cancel_event(self, request: Request) -> Response:
         return JSONResponse(self._sim.cancel_event(request.path_params["event_id"]).to_json())
@@ -194,6 +232,16 @@ class _Admin:
         records = self._sim.requests(vm=vm, limit=limit)
         return JSONResponse({"requests": [r.to_json() for r in records]})
 
+    async def request_stats(self, request: Request) -> Response:
+        vm = request.query_params.get("vm")
+        sim = self._sim
+        stats = sim.all_request_stats() if vm is None else [sim.request_stats(vm)]
+        return JSONResponse({"vms": [s.to_json() for s in stats]})
+
+    async def reset_request_stats(self, request: Request) -> Response:
+        self._sim.reset_request_stats()
+        return JSONResponse({"reset": True})
+
 
 def admin_routes(simulator: Simulator) -> list[BaseRoute]:
     """The ``/admin`` routes for ``simulator``."""
@@ -202,9 +250,13 @@ def admin_routes(simulator: Simulator) -> list[BaseRoute]:
         ("/admin/vms", "POST", a.add_vms),
         ("/admin/vms", "GET", a.list_vms),
         ("/admin/vms/{name}", "GET", a.get_vm),
+        ("/admin/topology", "POST", a.add_topology),
+        ("/admin/topology", "GET", a.describe_topology),
+        ("/admin/attestation/ca.pem", "GET", a.attestation_ca),
         ("/admin/events", "POST", a.add_event),
         ("/admin/events", "GET", a.list_events),
         ("/admin/events/{event_id}", "GET", a.get_event),
+        ("/admin/events/{event_id}", "PATCH", a.update_event),
         ("/admin/events/{event_id}", "DELETE", a.cancel_event),
         ("/admin/events/{event_id}/start", "POST", a.start_event),
         ("/admin/events/{event_id}/complete", "POST", a.complete_event),
@@ -213,6 +265,8 @@ def admin_routes(simulator: Simulator) -> list[BaseRoute]:
         ("/admin/faults", "GET", a.list_faults),
         ("/admin/faults", "DELETE", a.clear_faults),
         ("/admin/requests", "GET", a.list_requests),
+        ("/admin/requests/stats", "GET", a.request_stats),
+        ("/admin/requests/stats", "DELETE", a.reset_request_stats),
     ]
     return [_route(path, method, handler) for path, method, handler in table]
 

@@ -1,5 +1,5 @@
-"""The ASGI app: IMDS under ``/metadata`` (first VM) and ``/vm/{name}/metadata``, admin under
-``/admin``."""
+"""The ASGI app: IMDS under ``/metadata`` (first VM) and ``/vm/{name}/metadata`` (Scheduled
+Events, instance metadata, attested data), admin under ``/admin``."""
 
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ def create_app(simulator: Simulator) -> Starlette:
         # throttled and logged like the rest.
         Route("/metadata/scheduledevents", imds.default_scheduled_events, methods=_ANY_METHOD),
         Route("/metadata/instance", imds.default_instance, methods=_ANY_METHOD),
+        Route("/metadata/attested/document", imds.default_attested, methods=_ANY_METHOD),
         Route("/vm/{name}/metadata/scheduledevents", imds.vm_scheduled_events, methods=_ANY_METHOD),
         Route("/vm/{name}/metadata/instance", imds.vm_instance, methods=_ANY_METHOD),
+        Route("/vm/{name}/metadata/attested/document", imds.vm_attested, methods=_ANY_METHOD),
         *admin_routes(simulator),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

@@ -36,6 +36,7 @@ __all__ = [
     "EventState",
     "EventStatus",
     "EventType",
+    "EventUpdate",
     "iso_time",
     "rfc1123",
 ]
@@ -67,6 +68,7 @@ _DESCRIPTIONS: dict[EventType, str] = {
     EventType.PREEMPT: "Virtual machine is going to be evicted: Spot capacity is reclaimed.",
     EventType.TERMINATE: "Virtual machine is going to be deleted by its scale set.",
 }
+_OPERATION_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _GUID = re.compile(r"^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$")
 
 
@@ -93,6 +95,7 @@ class EventSpec(BaseModel):
     run_seconds: float | None = Field(default=None, alias="RunSeconds", ge=0)
     require_all_approvals: bool = Field(default=False, alias="RequireAllApprovals")
     event_id: str | None = Field(default=None, alias="EventId", pattern=_GUID.pattern)
+    operation_id: str | None = Field(default=None, alias="OperationId", pattern=_OPERATION_ID)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -100,6 +103,8 @@ class EventSpec(BaseModel):
             raise ValueError("NotBeforeSeconds makes no sense for an event born Started")
         if self.resources is not None and len(set(self.resources)) != len(self.resources):
             raise ValueError("Resources lists a VM twice")
+        if self.operation_id is not None and self.event_type is not EventType.TERMINATE:
+            raise ValueError("OperationId: only Terminate events share an operation")
         return self
 
     def notice_seconds(self) -> float:
@@ -120,6 +125,38 @@ class EventSpec(BaseModel):
 
     def describe(self) -> str:
         return self.description if self.description is not None else _DESCRIPTIONS[self.event_type]
+
+
+class EventUpdate(BaseModel):
+    """A change to a Scheduled event: the body of ``PATCH /admin/events/{id}``, a scenario's
+    ``update_event``, or :meth:`publisher.simulator.Simulator.update_event`.
+
+    Azure may change an event it already announced (a longer impact, a later NotBefore, more VMs).
+    ``NotBeforeSeconds`` is a new notice from now (simulated seconds). Fields left out keep their
+    value; at least one must be given.
+
+    >>> EventUpdate(duration_in_seconds=10).duration_in_seconds
+    10
+    """
+
+    model_config = ConfigDict(populate_by_name=True, frozen=True, extra="forbid")
+
+    event_type: EventType | None = Field(default=None, alias="EventType")
+    resources: tuple[str, ...] | None = Field(default=None, alias="Resources", min_length=1)
+    not_before_seconds: float | None = Field(default=None, alias="NotBeforeSeconds", ge=0)
+    duration_in_seconds: int | None = Field(default=None, alias="DurationInSeconds", ge=-1)
+    description: str | None = Field(default=None, alias="Description")
+
+    @model_validator(mode="after")
+    def _something(self) -> Self:
+        if self.resources is not None and len(set(self.resources)) != len(self.resources):
+            raise ValueError("Resources lists a VM twice")
+        if all(getattr(self, name) is None for name in type(self).model_fields):
+            raise ValueError(
+                "give at least one of EventType, Resources, NotBeforeSeconds, DurationInSeconds,"
+                " Description"
+            )
+        return self
 
 
 def rfc1123(wall: float) -> str:
@@ -162,6 +199,10 @@ class EventInfo:
     started_at: float | None = None
     ended_at: float | None = None
     approvals: tuple[Approval, ...] = field(default=())
+    #: Every VM whose document lists the event: those of ``resources`` and the rest of their
+    #: availability sets or placement groups.
+    seen_by: tuple[str, ...] = field(default=())
+    operation_id: str | None = None
 
     @property
     def status(self) -> EventStatus | None:
@@ -189,6 +230,8 @@ class EventInfo:
             "RunSeconds": self.run_seconds,
             "RequireAllApprovals": self.require_all_approvals,
             "Approvals": [a.to_json() for a in self.approvals],
+            "SeenBy": list(self.seen_by),
+            "OperationId": self.operation_id,
             "CreatedAt": iso_time(self.created_at),
             "StartedAt": None if self.started_at is None else iso_time(self.started_at),
             "EndedAt": None if self.ended_at is None else iso_time(self.ended_at),

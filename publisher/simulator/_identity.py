@@ -1,26 +1,22 @@
 """Who a simulated VM is: the ``compute`` section of ``/metadata/instance``.
 
-Everything is derived from the VM's name and its position in the fleet, so the same name always
-gets the same vmId, and a fleet started twice looks the same. A name of the form
-``{scale-set}_{instance}`` (as Azure names scale-set VMs) makes a scale-set VM.
+Everything is derived from the VM's name, its position in the fleet and its membership (see
+:mod:`._topology`), so the same name always gets the same vmId, and a fleet started twice (or
+served by several shards) looks the same.
 """
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from ._topology import Membership
 
 __all__ = ["DEFAULT_SUBSCRIPTION_ID", "Placement", "VmIdentity", "identity_for"]
 
 DEFAULT_SUBSCRIPTION_ID = "8c56d827-5f07-45ce-8f2b-6c5001db5c6f"
 _NAMESPACE = uuid.UUID("6f3e4c1a-9d1b-4b53-9a55-2d7c8f0e1b42")
-_SCALE_SET_NAME = re.compile(r"^(?P<scale_set>[A-Za-z0-9][A-Za-z0-9._-]*)_(?P<instance>\d+)$")
-_FAULT_DOMAINS = 3
-_SCALE_SET_FAULT_DOMAINS = 5
-_UPDATE_DOMAINS = 5
-_ZONES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +39,19 @@ class VmIdentity:
     location: str
     zone: str
     vm_scale_set_name: str
+    placement_group_id: str
+    availability_set: str
     platform_fault_domain: int
     platform_update_domain: int
     resource_id: str
     private_ip: str
+    sku: str = "22_04-lts-gen2"
+    license_type: str = ""  # Azure Hybrid Benefit: none here
 
     def compute(self) -> dict[str, Any]:
-        """The ``compute`` section, shaped like Azure's (domains are strings there too)."""
+        """The ``compute`` section, shaped like Azure's: domains are strings there too, and an
+        inapplicable value is an empty string (``placementGroupId`` outside a scale set). Azure
+        does not show the availability set here; the admin API does."""
         return {
             "azEnvironment": "AzurePublicCloud",
             "location": self.location,
@@ -57,13 +59,15 @@ class VmIdentity:
             "offer": "0001-com-ubuntu-server-jammy",
             "osType": "Linux",
             "platformFaultDomain": str(self.platform_fault_domain),
+            "placementGroupId": self.placement_group_id,
+            "plan": {"name": "", "product": "", "publisher": ""},
             "platformUpdateDomain": str(self.platform_update_domain),
             "priority": "Regular",
             "provider": "Microsoft.Compute",
             "publisher": "Canonical",
             "resourceGroupName": self.resource_group,
             "resourceId": self.resource_id,
-            "sku": "22_04-lts-gen2",
+            "sku": self.sku,
             "subscriptionId": self.subscription_id,
             "tags": "",
             "version": "22.04.202404100",
@@ -89,42 +93,35 @@ class VmIdentity:
         }
 
 
-def identity_for(name: str, index: int, placement: Placement) -> VmIdentity:
-    """The identity of the VM called ``name``, the ``index``-th (from 0) added to the fleet.
+def identity_for(name: str, index: int, placement: Placement, membership: Membership) -> VmIdentity:
+    """The identity of the VM called ``name``, the ``index``-th (from 0) added to the fleet,
+    sitting where ``membership`` says (see :mod:`._topology`).
 
-    A scale-set VM (``web_3``) takes its domains and zone from its instance number; any other VM
-    from its index.
-
-    >>> identity_for("web_7", 0, Placement()).vm_scale_set_name
+    >>> from ._topology import implicit_membership
+    >>> identity_for("web_7", 0, Placement(), implicit_membership("web_7", 0)).vm_scale_set_name
     'web'
     """
     sub, rg = placement.subscription_id, placement.resource_group
-    match = _SCALE_SET_NAME.match(name)
-    if match is not None:
-        scale_set, instance = match["scale_set"], int(match["instance"])
-        position = instance
-        fault_domain = instance % _SCALE_SET_FAULT_DOMAINS
+    provider = f"/subscriptions/{sub}/resourceGroups/{rg}/providers/Microsoft.Compute"
+    if membership.scale_set:
         resource_id = (
-            f"/subscriptions/{sub}/resourceGroups/{rg}/providers/Microsoft.Compute"
-            f"/virtualMachineScaleSets/{scale_set}/virtualMachines/{instance}"
+            f"{provider}/virtualMachineScaleSets/{membership.scale_set}"
+            f"/virtualMachines/{membership.instance_id}"
         )
     else:
-        scale_set, position = "", index
-        fault_domain = index % _FAULT_DOMAINS
-        resource_id = (
-            f"/subscriptions/{sub}/resourceGroups/{rg}/providers/Microsoft.Compute"
-            f"/virtualMachines/{name}"
-        )
+        resource_id = f"{provider}/virtualMachines/{name}"
     return VmIdentity(
         name=name,
         vm_id=str(uuid.uuid5(_NAMESPACE, name)),
         subscription_id=sub,
         resource_group=rg,
         location=placement.location,
-        zone=str(position % _ZONES + 1),
-        vm_scale_set_name=scale_set,
-        platform_fault_domain=fault_domain,
-        platform_update_domain=position % _UPDATE_DOMAINS,
+        zone=membership.zone,
+        vm_scale_set_name=membership.scale_set,
+        placement_group_id=membership.placement_group_id,
+        availability_set=membership.availability_set,
+        platform_fault_domain=membership.fault_domain,
+        platform_update_domain=membership.update_domain,
         resource_id=resource_id,
         private_ip=f"10.0.{index // 250 % 256}.{index % 250 + 4}",
     )

@@ -3,7 +3,9 @@
 For every request, in this order: an injected fault (status, delay or raw body), the per-VM rate
 limit (429), the method (405), the ``Metadata: true`` header and the absence of
 ``X-Forwarded-For`` (400), the api-version (400, listing the valid ones), the first-call delay,
-and then the answer. Every request lands in the request log with the status it got.
+and then the answer: stale or reset when a fault says so, dripped or padded when a fault says
+so. Every request lands in the request log with the status it got, and in its VM's accounting
+(counted when it arrives, its status when answered).
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ._attestation import valid_nonce
 from ._errors import UnknownEventError
-from ._faults import Endpoint
+from ._faults import Endpoint, FaultSpec
 from ._simulator import Simulator
-from ._versions import INSTANCE_VERSIONS, SCHEDULED_EVENTS_VERSIONS
+from ._versions import ATTESTED_VERSIONS, INSTANCE_VERSIONS, SCHEDULED_EVENTS_VERSIONS
 
 __all__ = ["ImdsEndpoints"]
 
@@ -32,6 +36,12 @@ _FAULT_MESSAGES = {
     503: "Service unavailable",
 }
 _NEWEST_SHOWN = 3
+_VERSIONS: dict[Endpoint, tuple[str, ...]] = {
+    "scheduledevents": SCHEDULED_EVENTS_VERSIONS,
+    "instance": INSTANCE_VERSIONS,
+    "attested": ATTESTED_VERSIONS,
+}
+_PAD_CHUNK = b" " * 65536
 
 
 def error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -57,31 +67,55 @@ class ImdsEndpoints:
     async def vm_instance(self, request: Request) -> Response:
         return await self._handle(request, request.path_params["name"], "instance")
 
+    async def default_attested(self, request: Request) -> Response:
+        return await self._handle(request, self._sim.default_vm, "attested")
+
+    async def vm_attested(self, request: Request) -> Response:
+        return await self._handle(request, request.path_params["name"], "attested")
+
     async def _handle(self, request: Request, vm: str | None, endpoint: Endpoint) -> Response:
         sim = self._sim
-        if vm is None or not sim.has_vm(vm):
-            response: Response = error(404, f"Not found: no VM {vm!r} in this simulator")
+        if vm is None or not sim.serves(vm):
+            response: Response = error(404, _not_here(sim, vm))
             vm = None
         else:
+            sim.request_arrived(vm)
             response = await self._answer(request, vm, endpoint)
-        path = request.url.path
-        if request.url.query:
-            path = f"{path}?{request.url.query}"
-        sim.record_request(vm, request.method, path, response.status_code)
+        # From the scope, not request.url: building a URL object costs a urlsplit per request.
+        path = request.scope["path"]
+        query = request.scope["query_string"]
+        if query:
+            path = f"{path}?{query.decode('latin-1')}"
+        sim.record_request(vm, request.method, path, response.status_code, endpoint=endpoint)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s %s -> %d", vm, request.method, path, response.status_code)
         return response
 
     async def _answer(self, request: Request, vm: str, endpoint: Endpoint) -> Response:
-        sim = self._sim
-        fault = sim.take_fault(vm, endpoint)
+        fault = self._sim.take_fault(vm, endpoint, request.method)
         if fault is not None:
             if fault.status is not None:
                 return error(fault.status, _FAULT_MESSAGES[fault.status])
             if fault.body is not None:
                 return Response(fault.body, status_code=200, media_type="application/json")
             if fault.delay_seconds is not None:
-                await asyncio.sleep(sim.to_real(fault.delay_seconds))
+                # A late answer, not a late request: what the client sent has arrived (Starlette
+                # keeps the body), and IMDS acts on it even if the client is gone by then.
+                await request.body()
+                await asyncio.sleep(self._sim.to_real(fault.delay_seconds))
+        response = await self._serve(request, vm, endpoint, fault)
+        if fault is not None and fault.drip_seconds is not None:
+            log.info("%s: dripping %d bytes", vm, len(response.body))
+            return _dripped(response, fault.drip_seconds)
+        if fault is not None and fault.huge_mb is not None:
+            log.info("%s: padding the answer to %g MiB", vm, fault.huge_mb)
+            return _padded(response, int(fault.huge_mb * 2**20))
+        return response
+
+    async def _serve(
+        self, request: Request, vm: str, endpoint: Endpoint, fault: FaultSpec | None
+    ) -> Response:
+        sim = self._sim
         if not sim.admit(vm):
             return error(429, "Too many requests")
         method = request.method
@@ -97,7 +131,7 @@ class ImdsEndpoints:
             return error(400, "Bad request. Required metadata header not specified")
         if "x-forwarded-for" in headers:
             return error(400, "Bad request. Request contains the X-Forwarded-For header")
-        versions = SCHEDULED_EVENTS_VERSIONS if endpoint == "scheduledevents" else INSTANCE_VERSIONS
+        versions = _VERSIONS[endpoint]
         version = request.query_params.get("api-version")
         if version not in versions:
             problem = "was not specified" if not version else f"{version!r} is invalid"
@@ -110,13 +144,23 @@ class ImdsEndpoints:
             )
         if endpoint == "instance":
             return JSONResponse(sim.instance_document(vm))
+        if endpoint == "attested":
+            nonce = request.query_params.get("nonce")
+            if nonce is not None and not valid_nonce(nonce):
+                return error(400, "Bad request. The nonce must be up to 32 letters and digits")
+            return JSONResponse(sim.attested_document(vm, nonce, version))
         delay = sim.take_first_call_delay(vm)
         if delay > 0:
             log.info("first call of %s: answering in %.3f s", vm, delay)
             await asyncio.sleep(delay)
         if method == "POST":
             return await self._approve(request, vm)
-        return JSONResponse(sim.scheduled_events_document(vm, version))
+        if fault is not None and fault.reset is not None:
+            return JSONResponse({"DocumentIncarnation": 0, "Events": []})
+        if fault is not None and fault.stale is not None:
+            return JSONResponse(sim.stale_document(vm, fault.stale, version))
+        body = sim.scheduled_events_body(vm, version)
+        return Response(body, status_code=200, media_type="application/json")
 
     async def _approve(self, request: Request, vm: str) -> Response:
         event_ids = parse_start_requests(await request.body())
@@ -130,6 +174,13 @@ class ImdsEndpoints:
         except UnknownEventError as exc:
             return error(400, f"Bad request. {exc}")
         return Response(status_code=200)
+
+
+def _not_here(sim: Simulator, vm: str | None) -> str:
+    shard = sim.config.shard
+    if vm is not None and shard is not None and sim.has_vm(vm):
+        return f"Not found: VM {vm!r} is served by shard {sim.shard_of(vm)}/{shard.count}"
+    return f"Not found: no VM {vm!r} in this simulator"
 
 
 def parse_start_requests(body: bytes) -> list[str] | None:
@@ -152,3 +203,38 @@ def parse_start_requests(body: bytes) -> list[str] | None:
             return None
         event_ids.append(event_id)
     return event_ids
+
+
+def _dripped(response: Response, interval: float) -> Response:
+    """``response`` with its body sent one byte every ``interval`` real seconds."""
+    body = bytes(response.body)
+
+    async def drip() -> AsyncIterator[bytes]:
+        for i in range(len(body)):
+            if i:
+                await asyncio.sleep(interval)
+            yield body[i : i + 1]
+
+    return _streamed(response, drip(), len(body))
+
+
+def _padded(response: Response, size: int) -> Response:
+    """``response`` with its body padded with JSON whitespace to ``size`` bytes."""
+    body = bytes(response.body)
+    size = max(size, len(body))
+
+    async def pad() -> AsyncIterator[bytes]:
+        yield body
+        left = size - len(body)
+        while left > 0:
+            chunk = _PAD_CHUNK[: min(left, len(_PAD_CHUNK))]
+            left -= len(chunk)
+            yield chunk
+
+    return _streamed(response, pad(), size)
+
+
+def _streamed(response: Response, content: AsyncIterator[bytes], length: int) -> Response:
+    headers = {k: v for k, v in response.headers.items() if k != "content-length"}
+    headers["content-length"] = str(length)
+    return StreamingResponse(content, status_code=response.status_code, headers=headers)

@@ -10,8 +10,8 @@ actions use. Shape (TOML)::
 
     [[actions]]
     at = 0
-    action = "create_event"          # create_event | cancel_event | start_event |
-    ref = "freeze"                   # complete_event | approve | fault | add_vms
+    action = "create_event"          # create_event | update_event | cancel_event |
+    ref = "freeze"                   # start_event | complete_event | approve | fault | add_vms
     event = { EventType = "Freeze", DurationInSeconds = 5 }   # the POST /admin/events body
 
     [[actions]]
@@ -20,8 +20,12 @@ actions use. Shape (TOML)::
     event = "freeze"
     vm = "WestNO_1"
 
-``create_event`` may select its VMs with ``update_domain = N`` instead of ``Resources``, and
-``per_vm = true`` makes one event per selected VM.
+``update_event`` takes ``event = "ref"`` and ``changes = { DurationInSeconds = 30, ... }`` (the
+``PATCH /admin/events/{id}`` body). ``create_event`` may select its VMs with
+``update_domain = N`` instead of ``Resources``, and ``per_vm = true`` makes one event per
+selected VM (with an ``OperationId``, a scale-set delete: one Terminate per VM, waiting for each
+other). A ``[topology]`` table (the shape of ``--topology``) adds scale sets and availability
+sets besides ``vms``.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ._errors import ScenarioError, describe_validation_error
-from ._events import EventSpec
+from ._events import EventSpec, EventUpdate
 from ._faults import FaultSpec
+from ._topology import Topology
 
 __all__ = [
     "AddFault",
@@ -50,6 +55,7 @@ __all__ = [
     "Scenario",
     "ScenarioAction",
     "StartEvent",
+    "UpdateEvent",
     "load_scenario",
     "shipped_scenarios",
 ]
@@ -81,6 +87,11 @@ class _OnEvent(_Action):
     event: str = Field(description="the ref of an earlier create_event")
 
 
+class UpdateEvent(_OnEvent):
+    action: Literal["update_event"]
+    changes: EventUpdate
+
+
 class CancelEvent(_OnEvent):
     action: Literal["cancel_event"]
 
@@ -109,7 +120,14 @@ class AddVms(_Action):
 
 
 ScenarioAction = Annotated[
-    CreateEvent | CancelEvent | StartEvent | CompleteEvent | Approve | AddFault | AddVms,
+    CreateEvent
+    | UpdateEvent
+    | CancelEvent
+    | StartEvent
+    | CompleteEvent
+    | Approve
+    | AddFault
+    | AddVms,
     Field(discriminator="action"),
 ]
 
@@ -122,7 +140,15 @@ class Scenario(BaseModel):
     name: str
     description: str = ""
     vms: list[str] = Field(default_factory=list)
+    topology: Topology | None = None
     actions: list[ScenarioAction] = Field(min_length=1)
+
+    def all_vms(self) -> list[str]:
+        """``vms``, then the VMs of ``topology``."""
+        names = list(self.vms)
+        if self.topology is not None:
+            names += [name for name, _ in self.topology.members()]
+        return names
 
     def ordered(self) -> list[tuple[int, ScenarioAction]]:
         """(index in the file, action), by time; ties keep the file's order."""
@@ -147,7 +173,7 @@ class Scenario(BaseModel):
 
         ``known`` is the VMs the simulator has besides the scenario's own ``vms``.
         """
-        names = set(known) | set(self.vms)
+        names = set(known) | set(self.all_vms())
         for _, action in self.ordered():
             if isinstance(action, AddVms):
                 names.update(action.names)
@@ -157,6 +183,9 @@ class Scenario(BaseModel):
             if isinstance(action, CreateEvent) and action.event.resources is not None:
                 missing = [n for n in action.event.resources if n not in names]
                 where += ".event.Resources"
+            elif isinstance(action, UpdateEvent) and action.changes.resources is not None:
+                missing = [n for n in action.changes.resources if n not in names]
+                where += ".changes.Resources"
             elif isinstance(action, Approve) and action.vm not in names:
                 missing, where = [action.vm], where + ".vm"
             elif isinstance(action, AddFault) and action.fault.vm is not None:

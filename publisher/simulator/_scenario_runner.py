@@ -16,6 +16,7 @@ from ._scenario import (
     Scenario,
     ScenarioAction,
     StartEvent,
+    UpdateEvent,
 )
 from ._simulator import Simulator
 
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 async def run_scenario(simulator: Simulator, scenario: Scenario) -> dict[str, list[str]]:
-    """Add the scenario's VMs (those missing), then apply each action at its time.
+    """Add the scenario's VMs (those missing; its topology unless its VMs are there), then
+    apply each action at its time.
 
     Returns the EventIds created, by ref. An action the simulator refuses (say, cancelling an
     event that approvals already started) is logged and skipped: the scenario goes on.
@@ -34,6 +36,9 @@ async def run_scenario(simulator: Simulator, scenario: Scenario) -> dict[str, li
     for name in scenario.vms:
         if not simulator.has_vm(name):
             simulator.add_vm(name)
+    topology = scenario.topology
+    if topology is not None and not all(simulator.has_vm(n) for n, _ in topology.members()):
+        simulator.add_topology(topology)
     loop = asyncio.get_running_loop()
     start = loop.time()
     refs: dict[str, list[str]] = {}
@@ -82,7 +87,9 @@ def _apply(sim: Simulator, action: ScenarioAction, refs: dict[str, list[str]]) -
         sim.add_fault(action.fault)
     else:
         for event_id in refs.get(action.event, []):
-            if isinstance(action, CancelEvent):
+            if isinstance(action, UpdateEvent):
+                sim.apply_update(event_id, action.changes)
+            elif isinstance(action, CancelEvent):
                 sim.cancel_event(event_id)
             elif isinstance(action, StartEvent):
                 sim.start_event(event_id)

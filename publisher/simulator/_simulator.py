@@ -14,19 +14,39 @@ It is not thread-safe: use it from the event loop that serves it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
+from ._accounting import RequestAccounting, RequestStats
+from ._attestation import AttestationCa, Attestor, attested_content, valid_nonce
 from ._clock import Clock, SystemClock
 from ._config import SimulatorConfig
-from ._events import EventInfo, EventSpec, EventState, EventType
+from ._documents import DocumentHistory, render_events
+from ._errors import (
+    DuplicateVmError,
+    InvalidEventError,
+    InvalidVmNameError,
+    describe_validation_error,
+)
+from ._events import EventInfo, EventSpec, EventState, EventType, EventUpdate
 from ._faults import Endpoint, FaultBook, FaultInfo, FaultSpec
+from ._fleet import VM_NAME_PATTERN, Fleet
 from ._identity import VmIdentity
 from ._ledger import Ledger
 from ._requestlog import RequestLog, RequestRecord
 from ._throttle import RateLimiter
-from ._versions import LATEST_SCHEDULED_EVENTS_VERSION, event_fields
+from ._topology import Membership, Topology, standalone_membership
+from ._versions import (
+    ATTESTED_VERSIONS,
+    LATEST_INSTANCE_VERSION,
+    LATEST_SCHEDULED_EVENTS_VERSION,
+    event_fields,
+)
 
 __all__ = ["Simulator"]
 
@@ -36,8 +56,9 @@ log = logging.getLogger(__name__)
 class Simulator:
     """A fleet of simulated VMs behind one IMDS.
 
-    ``vms`` adds VMs at once (more with :meth:`add_vm`); the first VM added is also the one served
-    without a ``/vm/{name}`` prefix.
+    ``vms`` adds VMs by name, then ``topology`` adds scale sets, availability sets and standalone
+    VMs (more with :meth:`add_vm` and :meth:`add_topology`); the first VM added is also the one
+    served without a ``/vm/{name}`` prefix.
     """
 
     def __init__(
@@ -46,21 +67,30 @@ class Simulator:
         *,
         clock: Clock | None = None,
         vms: Iterable[str] = (),
+        topology: Topology | None = None,
     ) -> None:
         self._config = config if config is not None else SimulatorConfig()
         self._clock: Clock = clock if clock is not None else SystemClock()
+        self._fleet = Fleet(self._config.placement)
         self._ledger = Ledger(
+            fleet=self._fleet,
             clock=self._clock,
             speed=self._config.speed,
-            placement=self._config.placement,
             seed=self._config.seed,
             finished_kept=self._config.finished_events_kept,
         )
         self._faults = FaultBook()
         self._limiter = RateLimiter(self._config.rate_limit, self._clock)
         self._requests = RequestLog(self._config.request_log_size)
+        self._accounting = RequestAccounting(self._clock.time())
         self._first_call_waiting: set[str] = set()
+        self._history = DocumentHistory()
+        self._attestor: Attestor | None = None
+        self._default: str | None = None
+        self._bodies: dict[str, tuple[int, str, bytes]] = {}  # vm -> (incarnation, version, body)
         self.add_vms(vms)
+        if topology is not None:
+            self.add_topology(topology)
 
     @property
     def config(self) -> SimulatorConfig:
@@ -79,33 +109,94 @@ class Simulator:
     def add_vm(self, name: str) -> VmIdentity:
         """Add a VM; raises DuplicateVmError or InvalidVmNameError."""
         self.add_vms([name])
-        return self._ledger.identity(name)
+        return self._fleet.identity(name)
 
     def add_vms(self, names: Iterable[str]) -> None:
-        """Add VMs in order (their identities are computed on first use: fleets start fast)."""
+        """Add VMs in order (their identities are computed on first use: fleets start fast).
+
+        A name alone says where the VM sits: ``web_3`` is instance 3 of scale set ``web``, any
+        other name a standalone VM (see :class:`Topology` for sets of any shape).
+        """
         for name in names:
-            self._ledger.add_vm(name)
-            if self._config.first_call_delay > 0:
-                self._first_call_waiting.add(name)
+            self._add(name, None)
+
+    def add_topology(self, topology: Topology) -> list[str]:
+        """Add the VMs of ``topology``, in its order; their names. Raises DuplicateVmError (and
+        adds nothing) when one of them exists already."""
+        members = list(topology.members())
+        names = [name for name, _ in members]
+        bad = [name for name in names if not VM_NAME_PATTERN.match(name)]
+        if bad:
+            raise InvalidVmNameError(
+                f"bad VM name(s) {', '.join(map(repr, bad[:5]))}: letters, digits, '.', '_' or"
+                " '-', at most 80"
+            )
+        taken = [name for name in names if self.has_vm(name)]
+        taken += [name for name, n in Counter(names).items() if n > 1]
+        if taken:
+            raise DuplicateVmError(f"VM(s) {', '.join(map(repr, taken[:5]))} exist already")
+        for name, membership in members:
+            if membership is None:
+                membership = standalone_membership(len(self._fleet))
+            self._add(name, membership)
+        return names
+
+    def _add(self, name: str, membership: Membership | None) -> None:
+        self._fleet.add(name, membership)
+        if self._config.first_call_delay > 0:
+            self._first_call_waiting.add(name)
+        if self._default is None and self.serves(name):
+            self._default = name
+
+    def serves(self, name: str) -> bool:
+        """Whether this simulator answers IMDS requests for ``name`` (a VM of its shard)."""
+        shard = self._config.shard
+        if shard is None:
+            return name in self._fleet
+        return name in self._fleet and self._fleet.get(name).slot % shard.count == shard.index
+
+    def shard_of(self, name: str) -> int:
+        """The shard that serves ``name`` (0 without shards); UnknownVmError for an unknown VM."""
+        shard = self._config.shard
+        slot = self._fleet.get(name).slot
+        return 0 if shard is None else slot % shard.count
+
+    def served_vm_names(self) -> list[str]:
+        """The VMs this simulator answers for, in the order added (all of them without shards)."""
+        return [name for name in self._fleet.names() if self.serves(name)]
 
     def has_vm(self, name: str) -> bool:
-        return self._ledger.has_vm(name)
+        return name in self._fleet
 
     def vm_names(self) -> list[str]:
         """Every VM, in the order added."""
-        return self._ledger.vm_names()
+        return self._fleet.names()
 
     @property
     def vm_count(self) -> int:
-        return self._ledger.vm_count()
+        return len(self._fleet)
 
     @property
     def default_vm(self) -> str | None:
-        """The first VM added: IMDS serves it at ``/metadata/...`` without a prefix."""
-        return self._ledger.first_vm()
+        """The first VM added (of this shard): IMDS serves it at ``/metadata/...`` too."""
+        return self._default
 
     def identity(self, name: str) -> VmIdentity:
-        return self._ledger.identity(name)
+        return self._fleet.identity(name)
+
+    def membership(self, name: str) -> Membership:
+        """Where the VM sits: scale set, placement group, availability set, zone, domains."""
+        return self._fleet.get(name).membership
+
+    def group_of(self, name: str) -> tuple[str, ...]:
+        """The VMs that see every event of ``name`` (its availability set or placement group;
+        itself alone when it is in no set), ``name`` included."""
+        return self._fleet.group_of(name)
+
+    def describe_topology(self) -> dict[str, Any]:
+        """The fleet by scale set, placement group and availability set (the body of
+        ``GET /admin/topology``)."""
+        return self._fleet.describe()
 
     def incarnation(self, name: str) -> int:
         """The VM's current DocumentIncarnation."""
@@ -128,8 +219,9 @@ class Simulator:
         ]
 
     def approve(self, vm: str, event_ids: Iterable[str]) -> None:
-        """What ``POST {"StartRequests": [...]}`` from ``vm`` does; UnknownEventError if any id
-        is unknown to that VM (then nothing is approved)."""
+        """What ``POST {"StartRequests": [...]}`` from ``vm`` does: any VM that sees an event (its
+        Resources and the rest of their sets) may approve it for all of Resources.
+        UnknownEventError if ``vm`` does not see one of them (then nothing is approved)."""
         self._ledger.approve(vm, list(event_ids))
 
     def start_event(self, event_id: str) -> EventInfo:
@@ -143,6 +235,41 @@ class Simulator:
     def cancel_event(self, event_id: str) -> EventInfo:
         """Cancel a Scheduled event (it disappears, no impact); EventStateError otherwise."""
         return self._ledger.cancel(event_id).snapshot()
+
+    def update_event(
+        self,
+        event_id: str,
+        *,
+        event_type: EventType | None = None,
+        resources: Sequence[str] | None = None,
+        not_before_seconds: float | None = None,
+        duration_in_seconds: int | None = None,
+        description: str | None = None,
+    ) -> EventInfo:
+        """Change a Scheduled event in place, as Azure may; every VM that sees it (before or
+        after the change) gets a new DocumentIncarnation.
+
+        ``not_before_seconds`` is a new notice from now (simulated). Raises EventStateError when
+        the event is not Scheduled, InvalidEventError for unknown VMs, values out of range or no
+        change given, UnknownEventError for an unknown event.
+
+        >>> # sim.update_event(event.event_id, duration_in_seconds=30, not_before_seconds=600)
+        """
+        try:
+            update = EventUpdate(
+                event_type=event_type,
+                resources=None if resources is None else tuple(resources),
+                not_before_seconds=not_before_seconds,
+                duration_in_seconds=duration_in_seconds,
+                description=description,
+            )
+        except ValidationError as exc:
+            raise InvalidEventError(describe_validation_error(exc)) from exc
+        return self.apply_update(event_id, update)
+
+    def apply_update(self, event_id: str, update: EventUpdate) -> EventInfo:
+        """:meth:`update_event` with the change as one object (admin API, scenarios)."""
+        return self._ledger.update(event_id, update).snapshot()
 
     def advance(self) -> None:
         """Apply every transition that is due. Every read does this already."""
@@ -169,40 +296,88 @@ class Simulator:
         Raises ValueError for an unknown api-version, UnknownVmError for an unknown VM.
         """
         fields = event_fields(api_version)
-        self._ledger.advance()
-        documents: list[dict[str, Any]] = []
-        for event in self._ledger.live_events_of(vm):
-            if event.event_type is EventType.PREEMPT and not fields.preempt:
-                continue
-            if event.event_type is EventType.TERMINATE and not fields.terminate:
-                continue
-            started = event.state is EventState.STARTED
-            resources = (
-                ["_" + r for r in event.resources]
-                if fields.underscore_names
-                else list(event.resources)
-            )
-            item: dict[str, Any] = {
-                "EventId": event.event_id,
-                "EventStatus": "Started" if started else "Scheduled",
-                "EventType": event.event_type.value,
-                "ResourceType": "VirtualMachine",
-                "Resources": resources,
-                "NotBefore": "" if started else event.not_before,
-            }
-            if fields.description:
-                item["Description"] = event.description
-            if fields.event_source:
-                item["EventSource"] = event.event_source.value
-            if fields.duration:
-                item["DurationInSeconds"] = event.duration_in_seconds
-            documents.append(item)
-        return {"DocumentIncarnation": self._ledger.incarnation(vm), "Events": documents}
+        ledger = self._ledger
+        incarnation = ledger.incarnation(vm)  # catches up with the clock first
+        if not self._history.knows(vm, incarnation):
+            snapshot = tuple(e.frozen() for e in ledger.live_events_of(vm))
+            self._history.record(vm, incarnation, snapshot)
+        return {
+            "DocumentIncarnation": incarnation,
+            "Events": render_events(ledger.live_events_of(vm), fields),
+        }
+
+    def scheduled_events_body(
+        self, vm: str, api_version: str = LATEST_SCHEDULED_EVENTS_VERSION
+    ) -> bytes:
+        """:meth:`scheduled_events_document` as the compact JSON IMDS sends.
+
+        Kept per VM while its DocumentIncarnation stays (which is exactly while its document
+        stays): most polls find nothing new, and a fleet's documents are rendered once per change.
+        """
+        incarnation = self._ledger.incarnation(vm)
+        cached = self._bodies.get(vm)
+        if cached is not None and cached[0] == incarnation and cached[1] == api_version:
+            return cached[2]
+        body = json.dumps(
+            self.scheduled_events_document(vm, api_version),
+            ensure_ascii=False,
+            separators=(",", ":"),
+        ).encode()
+        self._bodies[vm] = (incarnation, api_version, body)
+        return body
+
+    def stale_document(
+        self, vm: str, steps: int, api_version: str = LATEST_SCHEDULED_EVENTS_VERSION
+    ) -> dict[str, Any]:
+        """A document IMDS produced for ``vm`` earlier: ``steps`` documents before the current
+        one (the oldest remembered, when there are fewer), as it was then. What a ``stale``
+        fault serves."""
+        fields = event_fields(api_version)
+        self.scheduled_events_document(vm)  # the current one counts as a step
+        incarnation, events = self._history.back(vm, steps)
+        return {"DocumentIncarnation": incarnation, "Events": render_events(events, fields)}
 
     def instance_document(self, vm: str) -> dict[str, Any]:
         """The body of ``GET /metadata/instance`` for ``vm``."""
-        identity = self._ledger.identity(vm)
+        identity = self._fleet.identity(vm)
         return {"compute": identity.compute(), "network": identity.network()}
+
+    # -- attested data -----------------------------------------------------------------------
+
+    def attested_document(
+        self, vm: str, nonce: str | None = None, api_version: str = LATEST_INSTANCE_VERSION
+    ) -> dict[str, str]:
+        """The body of ``GET /metadata/attested/document`` for ``vm``: ``{"encoding": "pkcs7",
+        "signature": ...}`` (the format is in ``_attestation``'s docstring).
+
+        Raises ValueError for a nonce that is not 1 to 32 letters and digits, or an api-version
+        without attested data; UnknownVmError for an unknown VM.
+        """
+        if nonce is not None and not valid_nonce(nonce):
+            raise ValueError(f"nonce {nonce!r}: use up to 32 letters and digits")
+        if api_version not in ATTESTED_VERSIONS:
+            raise ValueError(f"no attested data in api-version {api_version!r}")
+        content = attested_content(
+            self._fleet.identity(vm), nonce=nonce, api_version=api_version, now=self._clock.time()
+        )
+        return {"encoding": "pkcs7", "signature": self._attestation().sign(content)}
+
+    @property
+    def attestation_ca(self) -> AttestationCa:
+        """The CA that issued the certificate signing attested documents."""
+        return self._attestation().ca
+
+    @property
+    def attestation_ca_pem(self) -> bytes:
+        """That CA's certificate, PEM: what a verifier trusts."""
+        return self.attestation_ca.certificate_pem()
+
+    def _attestation(self) -> Attestor:
+        if self._attestor is None:  # made on first use: most simulators never sign anything
+            config = self._config
+            ca = config.attestation_ca or AttestationCa.generate(seed=config.seed)
+            self._attestor = Attestor(ca, location=config.placement.location, seed=config.seed)
+        return self._attestor
 
     # -- faults, throttling, first call, request log ----------------------------------------
 
@@ -217,9 +392,9 @@ class Simulator:
     def clear_faults(self) -> int:
         return self._faults.clear()
 
-    def take_fault(self, vm: str, endpoint: Endpoint) -> FaultSpec | None:
+    def take_fault(self, vm: str, endpoint: Endpoint, method: str = "GET") -> FaultSpec | None:
         """The fault (if any) for this request, counted down."""
-        return self._faults.take(vm, endpoint)
+        return self._faults.take(vm, endpoint, method)
 
     def admit(self, vm: str) -> bool:
         """Count a request against ``vm``'s rate limit; False means answer 429."""
@@ -232,8 +407,41 @@ class Simulator:
             return self.to_real(self._config.first_call_delay)
         return 0.0
 
-    def record_request(self, vm: str | None, method: str, path: str, status: int) -> None:
+    def request_arrived(self, vm: str) -> None:
+        """Count a request of ``vm`` as it arrives (its busiest one-second window)."""
+        self._accounting.arrive(vm, self._clock.monotonic(), self._clock.time())
+
+    def record_request(
+        self,
+        vm: str | None,
+        method: str,
+        path: str,
+        status: int,
+        *,
+        endpoint: Endpoint | None = None,
+    ) -> None:
+        """Log an answered request (and count its status against ``vm``'s endpoint)."""
         self._requests.add(RequestRecord(vm, method, path, status, self._clock.time()))
+        if vm is not None and endpoint is not None:
+            self._accounting.answered(vm, endpoint, method, status)
+
+    def request_stats(self, vm: str) -> RequestStats:
+        """``vm``'s requests since the last reset: total, the most in any one-second window,
+        and counts by endpoint, method and status.
+
+        >>> # assert sim.request_stats("web_1").max_per_second <= 2
+        >>> # assert sim.request_stats("web_1").count(method="POST", status=429) == 0
+        """
+        self._fleet.identity(vm)  # UnknownVmError for an unknown VM
+        return self._accounting.stats(vm)
+
+    def all_request_stats(self) -> list[RequestStats]:
+        """:meth:`request_stats` of every VM that asked since the last reset."""
+        return [self._accounting.stats(vm) for vm in self._accounting.vms()]
+
+    def reset_request_stats(self) -> None:
+        """Start a new accounting period now."""
+        self._accounting.reset(self._clock.time())
 
     def requests(self, *, vm: str | None = None, limit: int | None = None) -> list[RequestRecord]:
         """The recent IMDS requests, oldest first."""

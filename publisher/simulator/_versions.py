@@ -1,33 +1,46 @@
 """The api-versions IMDS accepts, and what each Scheduled Events version shows.
 
-Scheduled Events versions and what each added come from the documents (see
+One list: the Scheduled Events versions are the contract's (:data:`schemas.imds.API_VERSIONS`).
+The simulator adds only what the contract leaves out: the 2017-03-01 preview (agents never use it,
+so the contract does not list it, but IMDS still answers it, with underscored resource names) and
+the version that first showed each field or event type, keyed by the contract's versions (see
 ``shared/reference/scheduled-events-api.md``). The instance-metadata versions are Azure's general
-IMDS list (not in the documents); the simulator serves the same ``compute`` section for all of
-them.
+IMDS list (not in the documents, nor in the contract); the simulator serves the same ``compute``
+section for all of them. Attested data exists from 2018-10-01.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.imds import API_VERSIONS
+
 __all__ = [
+    "ATTESTED_VERSIONS",
+    "FIRST_VERSION_WITH",
     "INSTANCE_VERSIONS",
     "LATEST_INSTANCE_VERSION",
     "LATEST_SCHEDULED_EVENTS_VERSION",
+    "PREVIEW_VERSION",
     "SCHEDULED_EVENTS_VERSIONS",
     "EventFields",
     "event_fields",
 ]
 
-SCHEDULED_EVENTS_VERSIONS: tuple[str, ...] = (
-    "2017-03-01",  # preview: IaaS resource names carry a leading underscore
-    "2017-08-01",  # underscore removed; Metadata header enforced
-    "2017-11-01",  # EventType Preempt
-    "2019-01-01",  # EventType Terminate
-    "2019-04-01",  # Description
-    "2019-08-01",  # EventSource
-    "2020-07-01",  # DurationInSeconds
-)
+#: The preview release, which the contract does not list.
+PREVIEW_VERSION = "2017-03-01"
+
+SCHEDULED_EVENTS_VERSIONS: tuple[str, ...] = (PREVIEW_VERSION, *API_VERSIONS)
+
+#: The first contract version that showed each field or event type (the reference's table).
+FIRST_VERSION_WITH: dict[str, str] = {
+    "plain resource names": "2017-08-01",  # the preview prefixed IaaS names with "_"
+    "Preempt": "2017-11-01",
+    "Terminate": "2019-01-01",
+    "Description": "2019-04-01",
+    "EventSource": "2019-08-01",
+    "DurationInSeconds": "2020-07-01",
+}
 
 INSTANCE_VERSIONS: tuple[str, ...] = (
     "2017-03-01",
@@ -71,6 +84,7 @@ INSTANCE_VERSIONS: tuple[str, ...] = (
 
 LATEST_SCHEDULED_EVENTS_VERSION = SCHEDULED_EVENTS_VERSIONS[-1]
 LATEST_INSTANCE_VERSION = INSTANCE_VERSIONS[-1]
+ATTESTED_VERSIONS: tuple[str, ...] = tuple(v for v in INSTANCE_VERSIONS if v >= "2018-10-01")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +113,14 @@ def event_fields(version: str) -> EventFields:
 
 def _fields_of(version: str) -> EventFields:
     # ISO dates compare correctly as strings.
+    first = FIRST_VERSION_WITH
     return EventFields(
-        underscore_names=version < "2017-08-01",
-        preempt=version >= "2017-11-01",
-        terminate=version >= "2019-01-01",
-        description=version >= "2019-04-01",
-        event_source=version >= "2019-08-01",
-        duration=version >= "2020-07-01",
+        underscore_names=version < first["plain resource names"],
+        preempt=version >= first["Preempt"],
+        terminate=version >= first["Terminate"],
+        description=version >= first["Description"],
+        event_source=version >= first["EventSource"],
+        duration=version >= first["DurationInSeconds"],
     )
 
 

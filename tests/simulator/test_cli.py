@@ -12,7 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives import serialization
 
+from publisher.simulator import AttestationCa
 from publisher.simulator.__main__ import main
 
 from .conftest import HEADERS
@@ -121,6 +123,115 @@ async def test_a_shipped_scenario_by_name_brings_its_vms() -> None:
         assert document["Events"][0]["Resources"] == ["WestNO_0", "WestNO_1"]
 
 
+async def test_a_shipped_scenario_brings_its_topology() -> None:
+    async with (
+        simulator_process("--scenario", "scaleset-terminate") as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=5) as client,
+    ):
+        vms = [v["name"] for v in (await client.get("/admin/vms")).json()["vms"]]
+    assert vms == ["web_0", "web_1", "web_2", "web_3"]
+
+
+async def test_a_generated_fleet_with_scale_sets_zones_and_availability_sets() -> None:
+    async with (
+        simulator_process(
+            "--vm",
+            "lone",
+            "--fleet",
+            "30",
+            "--scale-sets",
+            "3",
+            "--zones",
+            "2",
+            "--placement-group-size",
+            "4",
+            "--availability-sets",
+            "2",
+            "--availability-set-size",
+            "3",
+        ) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=5) as client,
+    ):
+        vms = [v["name"] for v in (await client.get("/admin/vms")).json()["vms"]]
+        described = (await client.get("/admin/topology")).json()
+        compute = (
+            await client.get(
+                "/vm/fleet-1_3/metadata/instance?api-version=2021-02-01", headers=HEADERS
+            )
+        ).json()["compute"]
+    assert len(vms) == 1 + 30 + 6
+    assert vms[:2] == ["lone", "fleet-0_0"]
+    assert [s["name"] for s in described["scale_sets"]] == ["fleet-0", "fleet-1", "fleet-2"]
+    groups = described["scale_sets"][0]["placement_groups"]
+    assert [(g["zone"], len(g["vms"])) for g in groups] == [("1", 4), ("2", 4), ("1", 1), ("2", 1)]
+    assert [a["name"] for a in described["availability_sets"]] == ["avset-0", "avset-1"]
+    assert described["standalone"] == ["lone"]
+    assert (compute["vmScaleSetName"], compute["zone"]) == ("fleet-1", "2")
+
+
+async def test_a_topology_file(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        """
+vms = ["jump"]
+[[scale_sets]]
+name = "web"
+capacity = 4
+zones = ["1", "2"]
+[[availability_sets]]
+name = "db"
+vms = ["db-a", "db-b"]
+""",
+        encoding="utf-8",
+    )
+    async with (
+        simulator_process("--topology", str(path)) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=5) as client,
+    ):
+        vms = [v["name"] for v in (await client.get("/admin/vms")).json()["vms"]]
+        shown = (await client.get("/admin/vms/db-b")).json()
+    assert vms == ["web_0", "web_1", "web_2", "web_3", "db-a", "db-b", "jump"]
+    assert shown["availability_set"] == "db"
+    assert shown["sees_events_of"] == ["db-a", "db-b"]
+
+
+async def test_a_bad_topology_file_exits_2_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"scale_sets": [{"name": "web", "capacity": 0}]}), "utf-8")
+    code, _, err = await run_cli("--topology", str(path))
+    assert code == 2
+    assert "scale_sets[0].capacity" in err
+
+
+async def test_a_given_attestation_ca(tmp_path: Path) -> None:
+    ca = AttestationCa.generate()
+    (tmp_path / "ca.pem").write_bytes(ca.certificate_pem())
+    (tmp_path / "ca.key").write_bytes(
+        ca.private_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    args = ["--attestation-ca-cert", str(tmp_path / "ca.pem")]
+    args += ["--attestation-ca-key", str(tmp_path / "ca.key")]
+    async with (
+        simulator_process(*args) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=5) as client,
+    ):
+        served = (await client.get("/admin/attestation/ca.pem")).content
+    assert served == ca.certificate_pem()
+    code, _, err = await run_cli("--attestation-ca-cert", str(tmp_path / "ca.pem"))
+    assert code == 2
+    assert "--attestation-ca-key" in err
+    code, _, err = await run_cli(
+        "--attestation-ca-cert", str(tmp_path / "ca.key"), "--attestation-ca-key",
+        str(tmp_path / "ca.key"),
+    )  # fmt: skip
+    assert code == 2
+    assert "not a PEM certificate" in err
+
+
 async def test_a_bad_flag_exits_2_with_a_message() -> None:
     code, out, err = await run_cli("--bogus")
     assert code == 2
@@ -138,6 +249,10 @@ async def test_a_bad_flag_exits_2_with_a_message() -> None:
         (["--first-call-delay", "x"], "--first-call-delay: not a number"),
         (["--vm", "bad/name"], "--vm: bad VM name"),
         (["--scenario", "no-such"], "no such file, nor a shipped scenario"),
+        (["--scale-sets", "0"], "--scale-sets: must be >= 1"),
+        (["--availability-sets", "2"], "--availability-set-size"),
+        (["--vm", "fleet_0", "--fleet", "2"], "fleet_0"),
+        (["--topology", "/no/such/file.toml"], "/no/such/file.toml"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(
@@ -183,6 +298,15 @@ async def test_help_explains_every_flag() -> None:
         "--vm",
         "--fleet",
         "--fleet-prefix",
+        "--scale-sets",
+        "--zones",
+        "--placement-group-size",
+        "--availability-sets",
+        "--availability-set-size",
+        "--topology",
+        "--shard",
+        "--attestation-ca-cert",
+        "--attestation-ca-key",
         "--speed",
         "--scenario",
         "--list-scenarios",
@@ -195,6 +319,8 @@ async def test_help_explains_every_flag() -> None:
         "--log-level",
     ):
         assert flag in out, flag
+    for fault in ('"stale"', '"reset"', '"drip_seconds"', '"huge_mb"', '"delay_seconds"'):
+        assert fault in out, fault
 
 
 async def test_list_scenarios() -> None:

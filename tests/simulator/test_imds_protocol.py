@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from publisher.simulator import (
@@ -177,3 +179,23 @@ async def test_an_unknown_path_is_a_json_404(harness: Harness) -> None:
     response = await harness.client.get("/metadata/nothing", headers=HEADERS)
     assert response.status_code == 404
     assert "error" in response.json()
+
+
+async def test_the_served_bytes_follow_every_change_and_version(harness: Harness) -> None:
+    """The body is cached per VM and incarnation: it must never lag the document."""
+    sim = harness.sim
+
+    def compact(document: object) -> bytes:
+        return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()
+
+    for step in range(4):
+        if step == 1:
+            event = sim.add_event(EventSpec(event_type=EventType.PREEMPT, resources=("vm0",)))
+        elif step == 2:
+            sim.update_event(event.event_id, description="changed")
+        elif step == 3:
+            sim.start_event(event.event_id)
+        for version in ("2017-08-01", "2020-07-01", "2017-08-01"):
+            response = await harness.client.get(harness.se_path("vm0", version), headers=HEADERS)
+            assert response.content == compact(sim.scheduled_events_document("vm0", version))
+            assert response.content == sim.scheduled_events_body("vm0", version)

@@ -37,7 +37,7 @@ def test_the_shipped_scenarios_are_there_and_valid() -> None:
     assert set(scenarios) == SHIPPED
     for name, scenario in scenarios.items():
         assert scenario.description, name
-        assert scenario.vms, name
+        assert scenario.all_vms(), name
         scenario.check_vms([])
         assert load_scenario(name) == scenario
 
@@ -47,6 +47,7 @@ async def test_live_migration_plays_the_documents_sequence() -> None:
     refs = await run_scenario(sim, load_scenario("live-migration"))
     (event_id,) = refs["freeze"]
     assert event_id == "C7061BAC-AFDC-4513-B24B-AA5F13A16123"
+    assert sim.group_of("WestNO_1") == ("WestNO_0", "WestNO_1")  # one placement group
     seen = [sim.scheduled_events_document("WestNO_1")]
     async with asyncio.timeout(5):
         while seen[-1]["Events"]:
@@ -79,15 +80,18 @@ async def test_hardware_failure_and_spot_and_user_reboot() -> None:
     assert sim.get_event(user["reboot"][0]).event_source.value == "User"
 
 
-async def test_scaleset_terminate_waits_for_both_vms() -> None:
+async def test_scaleset_terminate_one_event_per_vm_waiting_for_each_other() -> None:
     sim = Simulator(SimulatorConfig(speed=1000))
     refs = await run_scenario(sim, load_scenario("scaleset-terminate"))
-    event_id = refs["terminate"][0]
-    sim.approve("web_1", [event_id])
-    assert sim.get_event(event_id).state is EventState.SCHEDULED
-    sim.approve("web_2", [event_id])
-    assert sim.get_event(event_id).state is EventState.STARTED
-    assert sim.scheduled_events_document("web_0")["Events"] == []
+    one, two = refs["terminate"]
+    assert sim.vm_names() == ["web_0", "web_1", "web_2", "web_3"]
+    assert [sim.get_event(i).resources for i in (one, two)] == [("web_1",), ("web_2",)]
+    # The whole placement group sees both deletions; Resources says whose each is.
+    assert [e["EventId"] for e in sim.scheduled_events_document("web_0")["Events"]] == [one, two]
+    sim.approve("web_2", [two])
+    assert sim.get_event(two).state is EventState.SCHEDULED  # waits for web_1's
+    sim.approve("web_1", [one])
+    assert {sim.get_event(i).state for i in (one, two)} == {EventState.STARTED}
 
 
 async def test_the_fleet_wave_walks_update_domains_one_after_another() -> None:
