@@ -1,7 +1,8 @@
 """``python -m publisher`` / ``scheduled-events-agent``: the agent as a service.
 
-Exit codes: 0 after a clean stop (SIGTERM, SIGINT), 2 for invalid settings (one line naming the
-setting), 1 when the agent failed.
+Exit codes: 0 after a clean stop (SIGTERM, SIGINT), 2 for invalid settings or a place the agent
+cannot work with (one line naming the setting and what to check: a broker that refuses the
+login, a state dir that is a file, an IMDS URL that answers 404...), 1 when the agent failed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ __all__ = ["main"]
 log = logging.getLogger("publisher")
 
 
+def _config_error(exc: BaseException) -> ConfigError | None:
+    """The ConfigError behind ``exc`` (a task group wraps its tasks' errors), if any."""
+    if isinstance(exc, ConfigError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _config_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = parse_settings(argv)
@@ -32,12 +45,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent = Agent(settings)
     try:
         asyncio.run(agent.run(handle_signals=True))
-    except ConfigError as exc:  # a trust key that is not a key, found when loading it
-        print(f"scheduled-events-agent: invalid settings: {exc}", file=sys.stderr)
-        return 2
-    except Exception:
-        log.exception("the agent failed; exiting with status 1")
-        return 1
+    except BaseException as exc:
+        config = _config_error(exc)
+        if config is not None:
+            print(f"scheduled-events-agent: {config}", file=sys.stderr)
+            return 2
+        if isinstance(exc, KeyboardInterrupt):
+            return 130
+        if isinstance(exc, Exception):
+            log.exception("the agent failed; exiting with status 1")
+            return 1
+        raise
     return 0
 
 

@@ -1,10 +1,15 @@
 """The agent: IMDS in, lifecycle messages out, approvals back in.
 
-One :class:`asyncio.TaskGroup` holds the parts: the broker connection, the outbox publisher, the
-poller, the approvals consumer, the heartbeat, the hooks and the metrics server. ``stop()`` (or
-SIGTERM/SIGINT in CLI mode) stops polling and approvals, queues ``agent.offline``, drains the
-outbox within ``drain_timeout`` and returns; what could not be sent stays in the state store for
-the next run.
+One :class:`asyncio.TaskGroup` holds the parts: the broker connection, the outbox publisher
+(:mod:`._outbox`), the watcher that polls IMDS and commits transitions (:mod:`._watch`), the
+approvals consumer (:mod:`._approvals`), the heartbeat, the hooks (:mod:`._hooks`) and the
+metrics server. ``stop()`` (or SIGTERM/SIGINT in CLI mode) stops polling and approvals, queues
+``agent.offline``, drains the outbox within ``drain_timeout`` and returns; what could not be
+sent stays in the state store for the next run.
+
+``/healthz`` tells the truth: 503, with the reason, once the broker has been unreachable or
+IMDS failing for longer than ``health_grace``; the live outbox depth, the age of its oldest
+message, and the messages set aside (never sendable) are in every answer.
 
 >>> agent = Agent(AgentSettings(imds_url="http://127.0.0.1:8080/vm/web-7",
 ...                             broker="memory://demo", state_dir=None))   # doctest: +SKIP
@@ -22,36 +27,36 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import TypeVar
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from typing import Any, TypeVar
 
 from schemas import (
     AgentData,
     AgentMessage,
+    ConfigError,
     ImdsError,
     MessageType,
     ReplyAddress,
-    ScheduledEventsDocument,
-    TransitionMessage,
     TransportError,
     VmIdentity,
-    diff,
     load_public_keys,
 )
+from schemas._backoff import Backoff
+from schemas.observability import HealthServer
 from schemas.transport import Transport, open_transport, redact
 
 from ._approvals import ApprovalHandler
-from ._backoff import Backoff
 from ._hooks import HookRunner
 from ._imds import ImdsClient, with_retries
-from ._observability import Metrics, MetricsServer
+from ._observability import Metrics
+from ._origin import OriginSigner, load_origin_key
 from ._outbox import OutboxPublisher
 from ._poller import Cadence, RequestLimiter
 from ._settings import AgentSettings
-from ._state import StateStore
+from ._state import StateStore, StoredState
+from ._watch import IMDS_BACKOFF_CAP, Watcher
 
 __all__ = ["AGENT_VERSION", "Agent"]
 
@@ -64,28 +69,36 @@ try:
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     AGENT_VERSION = "0.0.0+unknown"
 
-#: The longest pause between polls while IMDS keeps failing.
-_IMDS_BACKOFF_CAP = 8.0
+#: How long the approvals consumer stays open after the last approvable event went.
+_LISTEN_LINGER = 30.0
 
 
 def _scope(settings: AgentSettings, vm: str) -> str:
     return "all" if settings.all_events else f"vm:{vm.casefold()}"
 
 
-def _restricted(document: ScheduledEventsDocument, vm: str) -> ScheduledEventsDocument:
-    """The document as a run that published only ``vm``'s events saw it."""
-    events = tuple(e for e in document.events if e.affects(vm))
-    return document.model_copy(update={"events": events})
-
-
 class Agent:
     """One VM's agent. ``await agent.run()`` until :meth:`stop`.
 
-    ``ready`` is set once the agent knows its identity, is connected to the broker, consumes its
-    approvals and has polled IMDS once. ``identity`` and ``metrics_port`` are known from then.
+    ``ready`` is set once the agent knows its identity, is connected to the broker, listens for
+    its approvals (when it listens all the time) and has polled IMDS once. ``identity`` and
+    ``metrics_port`` are known from then.
+
+    ``transport``: one to use instead of opening its own (many agents may share one
+    connection, as the fleet benchmark does); the agent closes it when it stops unless
+    ``close_transport`` is False (then whoever shares it closes it). ``state_executor``: the
+    single-thread executor its state store runs SQLite on, shared by the agents of one process
+    (by default the store has a thread of its own).
     """
 
-    def __init__(self, settings: AgentSettings, *, transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        transport: Transport | None = None,
+        close_transport: bool = True,
+        state_executor: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = Metrics()
         self.ready = asyncio.Event()
@@ -94,15 +107,19 @@ class Agent:
         #: Names this run of the agent (agent messages' ids derive from it).
         self.instance = uuid.uuid4().hex
         self._transport = transport
+        self._close_transport = close_transport or transport is None
+        self._state_executor = state_executor
         self._stop = asyncio.Event()
         self._stop_reason = "stopped"
         self._connected = asyncio.Event()
         self._subscribed = asyncio.Event()
-        self._polled = asyncio.Event()
         self._started_at = time.monotonic()
-        self._last_poll: float | None = None
-        self._document: ScheduledEventsDocument | None = None
         self._depth = 0
+        self._watcher: Watcher | None = None
+        self._outbox: OutboxPublisher | None = None
+        self._approvals_failing_since: float | None = None
+        #: Every IMDS request goes through it (its ``peak``: the most in any one second).
+        self.limiter = RequestLimiter(settings.imds_max_rps)
 
     # ------------------------------------------------------------------------------ control
 
@@ -119,15 +136,54 @@ class Agent:
             await self.ready.wait()
 
     def health(self) -> tuple[bool, dict[str, object]]:
-        age = None if self._last_poll is None else time.monotonic() - self._last_poll
-        stale_after = max(10 * self.settings.poll_interval, 30.0)
-        healthy = age is not None and age <= stale_after and self._connected.is_set()
-        return healthy, {
+        """(healthy, details) for ``/healthz``; unhealthy with ``reasons`` once the broker or
+        IMDS has been failing longer than ``health_grace``."""
+        now = time.monotonic()
+        grace = self.settings.health_grace
+        watcher, outbox = self._watcher, self._outbox
+        reasons: list[str] = []
+        last_poll = (
+            None if watcher is None or watcher.last_poll is None else now - watcher.last_poll
+        )
+        if watcher is not None and watcher.failing_since is not None:
+            failing = now - watcher.failing_since
+            if failing > grace:
+                reasons.append(f"IMDS failing for {failing:.0f} s: {watcher.last_error}")
+        elif last_poll is None and now - self._started_at > grace:
+            reasons.append(f"IMDS not answered since the start, {now - self._started_at:.0f} s ago")
+        down_since = [
+            since
+            for since in (
+                None if self._connected.is_set() else self._started_at,
+                None if outbox is None else outbox.failing_since,
+                None if outbox is None else outbox.stalled_since,
+                self._approvals_failing_since,
+            )
+            if since is not None
+        ]
+        broker_down = now - min(down_since) if down_since else None
+        if broker_down is not None and broker_down > grace:
+            why = outbox.last_error if outbox is not None and outbox.last_error else "no link"
+            reasons.append(f"broker unreachable for {broker_down:.0f} s: {why}")
+        depth = outbox.depth if outbox is not None else self._depth
+        oldest = None if outbox is None or outbox.oldest is None else time.time() - outbox.oldest
+        set_aside = 0 if outbox is None else outbox.set_aside
+        if set_aside:
+            reasons.append(
+                f"{set_aside} message(s) could not be sent and are set aside in the state store"
+            )
+        details: dict[str, object] = {
             "vm": self.identity.name if self.identity else None,
-            "last_poll_seconds_ago": None if age is None else round(age, 3),
-            "broker_connected": self._connected.is_set(),
-            "outbox_depth": self._depth,
+            "last_poll_seconds_ago": None if last_poll is None else round(last_poll, 3),
+            "broker_connected": self._connected.is_set()
+            and (broker_down is None or broker_down <= grace),
+            "outbox_depth": depth,
+            "outbox_oldest_seconds": None if oldest is None else round(max(oldest, 0.0), 3),
+            "outbox_set_aside": set_aside,
+            "reasons": reasons,
         }
+        unhealthy = [r for r in reasons if "set aside" not in r]
+        return not unhealthy, details
 
     # ---------------------------------------------------------------------------------- run
 
@@ -139,36 +195,35 @@ class Agent:
         if handle_signals:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self.stop, signal.Signals(signum).name)
-        store = await StateStore.open(settings.state_dir, limit=settings.outbox_limit)
-        limiter = RequestLimiter(settings.imds_max_rps)
+        store = await StateStore.open(
+            settings.state_dir, limit=settings.outbox_limit, executor=self._state_executor
+        )
+        limiter = self.limiter
         imds = ImdsClient(
             settings.imds_url,
             api_version=settings.api_version,
             instance_api_version=settings.instance_api_version,
             timeout=settings.imds_timeout,
             first_timeout=settings.imds_first_timeout,
+            max_body=settings.imds_max_body,
             limiter=limiter,
+            on_request=lambda endpoint: self.metrics.imds_requests.labels(endpoint).inc(),
         )
-        transport = self._transport or open_transport(settings.broker, settings.channels)
-        server: MetricsServer | None = None
+        transport = self._transport or open_transport(
+            settings.broker, settings.channels, name=f"scheduled-events-agent {self.instance[:8]}"
+        )
+        server: HealthServer | None = None
         try:
             if settings.metrics_port is not None:
-                server = MetricsServer(
-                    self.metrics,
+                server = HealthServer(
+                    self.metrics.registry,
                     self.health,
                     host=settings.metrics_host,
                     port=settings.metrics_port,
                 )
                 await server.start()
                 self.metrics_port = server.port
-            identity = await self._until_stopped(
-                with_retries(
-                    imds.identity,
-                    what="GET instance metadata",
-                    backoff=Backoff(0.5, _IMDS_BACKOFF_CAP),
-                    on_error=self._count_imds_error,
-                )
-            )
+            identity = await self._until_stopped(self._identity(imds))
             if identity is None:
                 return
             self.identity = identity
@@ -181,10 +236,25 @@ class Agent:
                 await server.close()
             await imds.aclose()
             try:
-                await asyncio.wait_for(transport.close(), 5)
+                if self._close_transport:
+                    await asyncio.wait_for(transport.close(), 5)
             except (TransportError, TimeoutError) as exc:
                 log.warning("closing the broker connection failed (%r); exiting anyway", exc)
             await store.close()
+
+    async def _identity(self, imds: ImdsClient) -> VmIdentity:
+        try:
+            return await with_retries(
+                imds.identity,
+                what="GET instance metadata",
+                backoff=Backoff(0.5, IMDS_BACKOFF_CAP),
+                on_error=lambda exc: self.metrics.imds_errors.labels(exc.kind).inc(),
+            )
+        except ImdsError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                # Asked the wrong thing, or the wrong place: waiting will not change it.
+                raise ConfigError(f"imds_url: {exc}") from exc
+            raise
 
     async def _until_stopped(self, work: Awaitable[T]) -> T | None:
         """``work``'s result, or None when stop() comes first (then ``work`` is cancelled)."""
@@ -202,41 +272,38 @@ class Agent:
             return None
         return task.result()
 
-    def _count_imds_error(self, exc: ImdsError) -> None:
-        self.metrics.imds_errors.labels(exc.kind).inc()
-
     async def _serve(
         self,
         identity: VmIdentity,
         store: StateStore,
         imds: ImdsClient,
         transport: Transport,
-        trusted: Mapping[str, Ed25519PublicKey],
+        trusted: dict[str, Any],
     ) -> None:
         settings = self.settings
         reply_to = transport.reply_address(identity.name)
         stored = await store.load()
         scope = _scope(settings, identity.name)
-        previous = stored.document
-        if previous is not None and stored.scope not in (None, "all", scope):
-            # The last run published only its own VM's events; this one publishes more: events
-            # of other VMs it never announced are new to the stream.
-            previous = _restricted(previous, (stored.scope or "").removeprefix("vm:"))
         log.info(
-            "agent %s for VM %s (%s); broker %s; %d message(s) left in the outbox; settings %s",
+            "agent %s for VM %s (%s); broker %s; %d message(s) left in the outbox; state %s; "
+            "settings %s",
             AGENT_VERSION,
             identity.name,
             identity.source,
             redact(settings.broker),
             stored.depth,
+            store.path or "in memory",
             settings.summary(),
         )
-        outbox = OutboxPublisher(
+        signer = OriginSigner(load_origin_key(settings.state_dir), imds) if settings.signs else None
+        outbox = self._outbox = OutboxPublisher(
             store,
             transport,
             self.metrics,
             publish_timeout=settings.publish_timeout,
             connected=self._connected,
+            sign=None if signer is None else signer.properties,
+            signing_ready=None if signer is None else signer.ready,
         )
         cadence = Cadence(
             settings.poll_interval,
@@ -244,29 +311,31 @@ class Agent:
             settings.fast_poll_seconds,
             settings.not_before_lead_seconds,
         )
-
-        def committed() -> None:
-            outbox.notify()
-
         hooks = HookRunner(
-            settings.hooks,
             timeout=settings.hook_timeout,
             identity=identity,
             reply_to=reply_to,
             store=store,
             metrics=self.metrics,
-            committed=committed,
+            committed=outbox.notify,
+            rerun_interrupted=settings.hook_rerun_interrupted,
+        )
+        watcher = self._watcher = self._watch(
+            identity, reply_to, imds, store, outbox, hooks, cadence, scope, stored
         )
         approvals = ApprovalHandler(
             settings,
             identity=identity,
             reply_to=reply_to,
             imds=imds,
+            fresh=watcher.fresh,
             store=store,
             metrics=self.metrics,
             trusted=trusted,
-            committed=committed,
-            on_applied=cadence.wake,
+            epoch=stored.epoch,
+            store_created=stored.created,
+            committed=outbox.notify,
+            on_applied=cadence.boost,
         )
         await self._commit_agent_message(
             store, MessageType.AGENT_ONLINE, identity, reply_to, settings=settings.summary()
@@ -275,25 +344,21 @@ class Agent:
             connector = tg.create_task(self._connect(transport), name="agent-connect")
             publisher = tg.create_task(outbox.run(), name="agent-outbox")
             workers = [
+                tg.create_task(watcher.run(), name="agent-watch"),
                 tg.create_task(
-                    self._poll(
-                        store, imds, identity, reply_to, scope, previous, cadence, hooks, outbox
-                    ),
-                    name="agent-poll",
-                ),
-                tg.create_task(
-                    self._consume_approvals(transport, identity, approvals), name="agent-approvals"
+                    self._consume_approvals(transport, identity, approvals, watcher),
+                    name="agent-approvals",
                 ),
                 tg.create_task(
                     self._heartbeat(store, identity, reply_to, outbox), name="agent-heartbeat"
                 ),
                 tg.create_task(hooks.run(), name="agent-hooks"),
-                tg.create_task(self._announce_ready(), name="agent-ready"),
+                tg.create_task(self._announce_ready(watcher), name="agent-ready"),
             ]
+            if signer is not None:
+                workers.append(tg.create_task(signer.run(), name="agent-origin"))
             await self._stop.wait()
-            for task in workers:
-                task.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            await _cancel_all(workers)
             await self._commit_agent_message(
                 store, MessageType.AGENT_OFFLINE, identity, reply_to, reason=self._stop_reason
             )
@@ -310,10 +375,47 @@ class Agent:
             publisher.cancel()
             connector.cancel()
 
-    async def _announce_ready(self) -> None:
+    def _watch(
+        self,
+        identity: VmIdentity,
+        reply_to: ReplyAddress,
+        imds: ImdsClient,
+        store: StateStore,
+        outbox: OutboxPublisher,
+        hooks: HookRunner,
+        cadence: Cadence,
+        scope: str,
+        stored: StoredState,
+    ) -> Watcher:
+        previous = stored.document
+        if previous is not None and stored.scope not in (None, "all", scope):
+            # The last run published only its own VM's events; this one publishes more: events
+            # of other VMs it never announced are new to the stream.
+            own = (stored.scope or "").removeprefix("vm:")
+            events = tuple(e for e in previous.events if e.affects(own))
+            previous = previous.model_copy(update={"events": events})
+        return Watcher(
+            self.settings,
+            identity=identity,
+            reply_to=reply_to,
+            imds=imds,
+            store=store,
+            metrics=self.metrics,
+            outbox=outbox,
+            hooks=hooks,
+            cadence=cadence,
+            scope=scope,
+            stored_scope=stored.scope if stored.document is not None else None,
+            previous=previous,
+            revisions=stored.revisions,
+            on_depth=self._note_depth,
+        )
+
+    async def _announce_ready(self, watcher: Watcher) -> None:
         await self._connected.wait()
-        await self._subscribed.wait()
-        await self._polled.wait()
+        if self.settings.listens_always:
+            await self._subscribed.wait()
+        await watcher.polled.wait()
         self.ready.set()
         log.info("agent ready")
 
@@ -322,9 +424,11 @@ class Agent:
         while True:
             try:
                 await asyncio.wait_for(transport.connect(), self.settings.publish_timeout)
+            except ConfigError:
+                raise  # refused for good (credentials, an entity declared otherwise): stop
             except (TransportError, TimeoutError) as exc:
                 delay = backoff.next()
-                log.warning("broker not reachable (%r); trying again in %.2f s", exc, delay)
+                log.warning("broker not reachable (%s); trying again in %.2f s", exc, delay)
                 await asyncio.sleep(delay)
                 continue
             log.info("connected to %s", redact(self.settings.broker))
@@ -341,14 +445,14 @@ class Agent:
         settings: dict[str, object] | None = None,
         reason: str | None = None,
     ) -> None:
-        document = self._document
+        document = None if self._watcher is None else self._watcher.document
         data = AgentData(
             vm=identity,
             agent_version=AGENT_VERSION,
             reply_to=reply_to,
             settings=settings or {},
             uptime_seconds=round(time.monotonic() - self._started_at, 3),
-            outbox_depth=self._depth,
+            outbox_depth=self._outbox.depth if self._outbox is not None else self._depth,
             document_incarnation=None if document is None else document.document_incarnation,
             reason=reason,
         )
@@ -360,6 +464,8 @@ class Agent:
 
     def _note_depth(self, depth: int, dropped: int = 0) -> None:
         self._depth = depth
+        if self._outbox is not None:
+            self._outbox.depth = depth
         self.metrics.outbox_depth.set(depth)
         if dropped:
             self.metrics.outbox_dropped.inc(dropped)
@@ -377,88 +483,68 @@ class Agent:
             outbox.notify()
 
     async def _consume_approvals(
-        self, transport: Transport, identity: VmIdentity, handler: ApprovalHandler
+        self,
+        transport: Transport,
+        identity: VmIdentity,
+        handler: ApprovalHandler,
+        watcher: Watcher,
     ) -> None:
         await self._connected.wait()
+        await handler.reconcile_all()
+        always = self.settings.listens_always
         backoff = Backoff(0.2, 5.0)
         while True:
+            if not always:
+                await watcher.approvable.wait()
             try:
                 async with transport.approvals(identity.name) as subscription:
                     self._subscribed.set()
+                    self._approvals_failing_since = None
                     backoff.reset()
-                    async for delivery in subscription:
-                        await handler.handle(delivery)
+                    await self._listen(subscription, handler, watcher, always)
             except TransportError as exc:
+                if _cancelling():  # a cancel that came back as a link error: still a cancel
+                    raise asyncio.CancelledError from exc
+                if self._approvals_failing_since is None:
+                    self._approvals_failing_since = time.monotonic()
                 delay = backoff.next()
-                log.warning("approvals consumer lost (%r); reopening in %.2f s", exc, delay)
+                log.warning("approvals consumer lost (%s); reopening in %.2f s", exc, delay)
                 await asyncio.sleep(delay)
 
-    async def _poll(
-        self,
-        store: StateStore,
-        imds: ImdsClient,
-        identity: VmIdentity,
-        reply_to: ReplyAddress,
-        scope: str,
-        previous: ScheduledEventsDocument | None,
-        cadence: Cadence,
-        hooks: HookRunner,
-        outbox: OutboxPublisher,
+    async def _listen(
+        self, subscription: Any, handler: ApprovalHandler, watcher: Watcher, always: bool
     ) -> None:
-        settings = self.settings
-        backoff = Backoff(settings.poll_interval, max(_IMDS_BACKOFF_CAP, settings.poll_interval))
-        vm = identity.name
-        stored_scope: str | None = None if previous is None else scope
+        """Handle approvals; when not listening always, return once no event of this VM has
+        been approvable for a while (the subscription, and its link, close)."""
+        iterator = aiter(subscription)
         while True:
-            began = time.monotonic()
-            try:
-                document = await imds.scheduled_events()
-            except ImdsError as exc:
-                self._count_imds_error(exc)
-                delay = backoff.next()
-                log.warning("IMDS poll failed (%s); next try in %.2f s", exc, delay)
-                await cadence.sleep(delay)
-                continue
-            backoff.reset()
-            self.metrics.polls.inc()
-            self.metrics.last_poll.set(time.time())
-            self._last_poll = time.monotonic()
-            if document is not previous:
-                transitions = diff(previous, document)
-                chosen = [t for t in transitions if settings.all_events or t.event.affects(vm)]
-                now = datetime.now(UTC)
-                messages = [
-                    TransitionMessage.build(t, vm=identity, reply_to=reply_to, observed_at=now)
-                    for t in chosen
-                ]
-                result = await store.commit(
-                    messages,
-                    document=document,
-                    scope=scope if stored_scope != scope else None,
-                )
-                stored_scope = scope
-                self._note_depth(result.depth, result.dropped)
-                previous = self._document = document
-                for transition, row in zip(chosen, result.rows, strict=True):
-                    self.metrics.transitions.labels(transition.kind.value).inc()
-                    log.info(
-                        "%s %s %s (incarnation %d) -> outbox seq %d",
-                        transition.kind.value,
-                        transition.event.event_type,
-                        transition.event.event_id,
-                        transition.incarnation,
-                        row.sequence,
-                    )
-                    hooks.submit(transition, row.body)
-                if messages:
-                    outbox.notify()
-                if transitions:
-                    cadence.boost()
-            self._polled.set()
-            watched = (
-                document.events
-                if settings.all_events
-                else tuple(e for e in document.events if e.affects(vm))
-            )
-            due = began + cadence.next_interval(watched)
-            await cadence.sleep(due - time.monotonic())
+            if always:
+                delivery = await anext(iterator)
+            else:
+                try:
+                    async with asyncio.timeout(_LISTEN_LINGER):
+                        delivery = await anext(iterator)
+                except TimeoutError:
+                    if not watcher.approvable.is_set():
+                        log.debug("no approvable event: approvals consumer closed")
+                        return
+                    continue
+            await handler.handle(delivery)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel the tasks and wait for them; one that swallows its cancel (a library that turns
+    it into another error, which a retry loop then takes for a lost link) is cancelled again
+    each second, and named, so a stop never hangs on it."""
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
+        for task in pending:
+            log.warning("%s did not stop when cancelled: cancelling it again", task.get_name())

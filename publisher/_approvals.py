@@ -3,20 +3,30 @@
 An approval is applied only when all of these hold, checked in this order, each failure with its
 own reason in ``approval.rejected``: the agent is not observe-only (a trusted key, or
 ``--accept-unsigned-approvals``); the signature is good and from a trusted key; it has not
-expired; it names this VM; the event is in the document IMDS returns now, lists this VM, and is
-still Scheduled. ``--dry-run`` verifies and reports (``approval.applied`` with ``dry_run``) but
-never POSTs. The delivery is acked only after the outcome is in the durable outbox; an approval
-seen again (redelivered after a crash) is acked without being applied twice.
+expired (nor outlived ``approval_max_lifetime`` since it was issued, whatever it says); it names
+this VM; the event is in a document IMDS returned after the approval arrived, lists this VM, is
+still Scheduled, and is still the version the approval was decided on (``event-changed``
+otherwise: an event that changed after it was judged is judged again, never started on the old
+judgement). ``--dry-run`` verifies and reports (``approval.applied`` with ``dry_run``) but
+never POSTs.
+
+The outcome is never misreported: the intent to apply an approval is durable before the POST,
+so an agent killed between its POST and the outcome reports it as applied when the approval
+comes back (or at its next start), not as ``event-not-scheduled``; an approval of an event this
+state store saw applied already, or issued before the store existed (a wiped state dir), is
+POSTed again (harmless for IMDS) and reported as a ``repeat``. The delivery is acked only after
+the outcome is in the durable outbox; an approval seen again after that is acked unapplied.
+Attempts are counted in the state store (the broker's own redelivery flag cannot count), and an
+approval IMDS cannot be asked about after ``MAX_ATTEMPTS`` is refused (``imds-refused``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from schemas import (
     Approval,
@@ -27,28 +37,32 @@ from schemas import (
     RejectReason,
     ReplyAddress,
     ScheduledEvent,
+    ScheduledEventsDocument,
     SchemaError,
     VmIdentity,
+    check_lifetime,
+    event_version,
     verify,
 )
+from schemas._backoff import Backoff
 from schemas.transport import Delivery
 
-from ._backoff import Backoff
 from ._imds import ImdsClient, with_retries
 from ._observability import Metrics
 from ._settings import AgentSettings
-from ._state import StateStore
+from ._state import Intent, StateStore
 
 __all__ = ["ApprovalHandler"]
 
 log = logging.getLogger(__name__)
 
-#: How many times an approval is taken back when IMDS cannot be asked, before it is refused.
-_MAX_REDELIVERIES = 5
+#: Deliveries of one approval while IMDS cannot be asked, before it is refused.
+MAX_ATTEMPTS = 5
 
 
 class ApprovalHandler:
-    """Handles one delivery at a time (``handle``); ``on_applied`` is called after a POST."""
+    """Handles one delivery at a time (``handle``); ``on_applied`` is called after a POST.
+    ``fresh`` gives a document IMDS returned after the call (see the watcher)."""
 
     def __init__(
         self,
@@ -57,9 +71,12 @@ class ApprovalHandler:
         identity: VmIdentity,
         reply_to: ReplyAddress,
         imds: ImdsClient,
+        fresh: Callable[[], Awaitable[ScheduledEventsDocument]],
         store: StateStore,
         metrics: Metrics,
-        trusted: Mapping[str, Ed25519PublicKey],
+        trusted: Mapping[str, Any],
+        epoch: str,
+        store_created: float,
         committed: Callable[[], None],
         on_applied: Callable[[], None],
     ) -> None:
@@ -67,9 +84,12 @@ class ApprovalHandler:
         self._identity = identity
         self._reply_to = reply_to
         self._imds = imds
+        self._fresh = fresh
         self._store = store
         self._metrics = metrics
         self._trusted = trusted
+        self._epoch = epoch
+        self._store_created = datetime.fromtimestamp(store_created, UTC)
         self._committed = committed
         self._on_applied = on_applied
         if settings.observe_only:
@@ -77,6 +97,8 @@ class ApprovalHandler:
                 "observe-only: no --trust-key given, every approval will be refused "
                 "(or pass --accept-unsigned-approvals)"
             )
+
+    # ------------------------------------------------------------------------------ handling
 
     async def handle(self, delivery: Delivery) -> None:
         try:
@@ -95,6 +117,13 @@ class ApprovalHandler:
             log.info("approval %s was handled already: acked again", approval.approval_id)
             await delivery.ack()
             return
+        intent = await self._store.intent(approval.approval_id)
+        if intent is not None:
+            # POSTed (or about to be) before the agent stopped: it counts as applied.
+            await self._reconcile(intent, approval)
+            await delivery.ack()
+            return
+        attempt = await self._store.attempt(approval.approval_id)
         try:
             event = await self._check_event(approval)
         except ApprovalRejected as rejected:
@@ -102,29 +131,46 @@ class ApprovalHandler:
             await delivery.ack()
             return
         except ImdsError as exc:
-            if delivery.delivery_count < _MAX_REDELIVERIES:
+            if attempt < MAX_ATTEMPTS:
                 log.warning(
-                    "approval %s: IMDS cannot be asked (%s); it goes back to the queue",
+                    "approval %s: IMDS cannot be asked (%s); it goes back to the queue (attempt "
+                    "%d of %d)",
                     approval.approval_id,
                     exc,
+                    attempt,
+                    MAX_ATTEMPTS,
                 )
-                await asyncio.sleep(Backoff(0.5, 5.0).next())
+                backoff = Backoff(0.5, 5.0)
+                backoff.attempt = attempt - 1
+                await asyncio.sleep(backoff.next())
                 await delivery.retry()
                 return
             await self._report(
-                approval, None, ApprovalRejected(RejectReason.IMDS_REFUSED, f"IMDS failed: {exc}")
+                approval,
+                None,
+                ApprovalRejected(
+                    RejectReason.IMDS_REFUSED,
+                    f"IMDS could not be asked about the event in {attempt} attempts: {exc}",
+                ),
             )
             await delivery.ack()
             return
+        await self._apply(approval, event)
+        await delivery.ack()
+
+    async def _apply(self, approval: Approval, event: ScheduledEvent) -> None:
+        repeat = await self._repeat(approval)
         if self._settings.dry_run:
             log.info(
                 "dry run: approval %s for %s verified, not POSTed",
                 approval.approval_id,
                 event.event_id,
             )
-            await self._report(approval, event, None)
-            await delivery.ack()
+            await self._report(approval, event, None, repeat=repeat)
             return
+        await self._store.record_intent(
+            approval.approval_id, event.event_id, event_version(event), approval.to_bytes()
+        )
         try:
             await with_retries(
                 lambda: self._imds.start_events([approval.event_id]),
@@ -137,11 +183,72 @@ class ApprovalHandler:
             await self._report(
                 approval, event, ApprovalRejected(RejectReason.IMDS_REFUSED, str(exc))
             )
-            await delivery.ack()
             return
         self._on_applied()
-        await self._report(approval, event, None)
-        await delivery.ack()
+        await self._report(approval, event, None, repeat=repeat)
+
+    async def _repeat(self, approval: Approval) -> str | None:
+        """Why this may not be the first time the event was approved here, if it may not."""
+        earlier = await self._store.applied_by(approval.event_id)
+        if earlier is not None:
+            return f"event {approval.event_id} was approved here already (approval {earlier})"
+        # No margin for clock skew: a false "may be a repeat" costs a word in a report, a
+        # missed one hides that the state was lost.
+        if approval.issued_at < self._store_created:
+            return (
+                f"the approval was issued at {approval.issued_at.isoformat()}, before this "
+                f"agent's state was created ({self._store_created.isoformat()}): the state dir "
+                "was wiped or the approval is replayed, so it may have been applied before"
+            )
+        return None
+
+    async def _reconcile(self, intent: Intent, approval: Approval) -> None:
+        """An approval whose POST may have gone out before the agent stopped: IMDS takes a
+        second POST as a no-op, so it counts as applied, whatever the event did since."""
+        event: ScheduledEvent | None = None
+        try:
+            event = (await self._fresh()).event(intent.event_id)
+        except ImdsError as exc:
+            log.info("reconciling approval %s without IMDS (%s)", intent.approval_id, exc)
+        if (
+            event is not None
+            and event.is_scheduled
+            and event_version(event) == intent.event_version
+        ):
+            # Still waiting with the version approved: make sure IMDS has the request.
+            try:
+                await self._imds.start_events([intent.event_id])
+            except ImdsError as exc:
+                log.info("POST again for %s failed (%s): reported anyway", intent.event_id, exc)
+        status = "gone" if event is None else event.event_status
+        log.info(
+            "approval %s: POSTed before the agent stopped; reported as applied (the event is "
+            "%s now)",
+            intent.approval_id,
+            status,
+        )
+        await self._report(
+            approval,
+            event,
+            None,
+            detail=f"POST StartRequests was made before the agent restarted; the event is "
+            f"{status} now",
+        )
+
+    async def reconcile_all(self) -> None:
+        """At start: every intent without an outcome (a crash between the POST and the outcome)
+        is reported now, even if its approval never comes back (it may have expired)."""
+        for intent in await self._store.intents():
+            if await self._store.approval_outcome(intent.approval_id) is not None:
+                continue
+            try:
+                approval = Approval.from_bytes(intent.body)
+            except SchemaError as exc:
+                log.error("stored approval %s unreadable (%s)", intent.approval_id, exc)
+                continue
+            await self._reconcile(intent, approval)
+
+    # ----------------------------------------------------------------------------- checking
 
     def _verify(self, approval: Approval) -> None:
         settings = self._settings
@@ -152,11 +259,11 @@ class ApprovalHandler:
                 "this agent trusts no key (no --trust-key) and refuses unsigned approvals",
             )
         now = datetime.now(UTC)
-        if approval.signature or not settings.accept_unsigned_approvals:
-            verify(approval, self._trusted, vm_name=vm, now=now)
+        lifetime = timedelta(seconds=settings.approval_max_lifetime)
+        if self._trusted or not settings.accept_unsigned_approvals:
+            verify(approval, self._trusted, vm_name=vm, now=now, max_lifetime=lifetime)
         else:
-            if approval.expires_at <= now:
-                raise ApprovalRejected(RejectReason.EXPIRED, f"expired at {approval.expires_at}")
+            check_lifetime(approval, now, lifetime)
             if approval.vm.casefold() != vm.casefold():
                 raise ApprovalRejected(
                     RejectReason.NOT_FOR_THIS_VM, f"the approval is for {approval.vm!r}, not {vm!r}"
@@ -164,13 +271,7 @@ class ApprovalHandler:
 
     async def _check_event(self, approval: Approval) -> ScheduledEvent:
         vm = self._identity.name
-        document = await with_retries(
-            self._imds.scheduled_events,
-            what="GET Scheduled Events for an approval",
-            backoff=Backoff(0.2, 2.0),
-            attempts=3,
-            on_error=lambda e: self._metrics.imds_errors.labels(e.kind).inc(),
-        )
+        document = await self._fresh()
         event = document.event(approval.event_id)
         if event is None:
             raise ApprovalRejected(
@@ -187,7 +288,23 @@ class ApprovalHandler:
                 RejectReason.EVENT_NOT_SCHEDULED,
                 f"event {event.event_id} is {event.event_status}, no longer Scheduled",
             )
+        live = event_version(event)
+        if approval.event_version is None:
+            raise ApprovalRejected(
+                RejectReason.UNBOUND,
+                "the approval names no event version (an approver older than schema 1.1 sent "
+                f"it); the live event is version {live}: decide again with a current approver",
+            )
+        if approval.event_version != live:
+            raise ApprovalRejected(
+                RejectReason.EVENT_CHANGED,
+                f"the approval was decided on version {approval.event_version} of event "
+                f"{event.event_id}; the live event is version {live} ({_describe(event)}): "
+                "it changed after it was judged, and must be judged again",
+            )
         return event
+
+    # ----------------------------------------------------------------------------- reporting
 
     async def _report(
         self,
@@ -196,16 +313,22 @@ class ApprovalHandler:
         rejected: ApprovalRejected | None,
         *,
         remember: bool = True,
+        repeat: str | None = None,
+        detail: str | None = None,
     ) -> None:
         if rejected is None:
             self._metrics.approvals_applied.inc()
             log.info(
-                "approval %s applied: event %s (decided by %s)%s",
+                "approval %s applied: event %s (decided by %s)%s%s",
                 approval.approval_id,
                 approval.event_id,
                 approval.decided_by,
                 " [dry run]" if self._settings.dry_run else "",
+                f" [repeat: {repeat}]" if repeat else "",
             )
+            text = detail or ("dry run: verified, not POSTed" if self._settings.dry_run else "")
+            if repeat:
+                text = f"{text}; repeat: {repeat}" if text else f"repeat: {repeat}"
         else:
             self._metrics.approvals_rejected.labels(rejected.reason.value).inc()
             log.warning(
@@ -214,6 +337,7 @@ class ApprovalHandler:
                 approval.event_id,
                 rejected,
             )
+            text = rejected.detail
         data = ApprovalOutcomeData(
             vm=self._identity,
             event_id=approval.event_id,
@@ -221,17 +345,21 @@ class ApprovalHandler:
             decided_by=approval.decided_by,
             applied=rejected is None,
             reason=None if rejected is None else rejected.reason.value,
-            detail=(
-                ("dry run: verified, not POSTed" if self._settings.dry_run else "")
-                if rejected is None
-                else rejected.detail
-            ),
+            detail=text,
             dry_run=self._settings.dry_run,
             event=event,
             reply_to=self._reply_to,
+            event_version=approval.event_version,
+            repeat=bool(repeat),
+            epoch=self._epoch,
         )
         message = ApprovalOutcomeMessage.build(data, observed_at=datetime.now(UTC))
-        await self._store.commit([message], approval_id=approval.approval_id if remember else None)
+        applied = rejected is None and not self._settings.dry_run
+        await self._store.commit(
+            [message],
+            outcome_of=approval.approval_id if remember else None,
+            applied_event=approval.event_id if applied else None,
+        )
         self._committed()
 
     async def _malformed(self, delivery: Delivery, exc: SchemaError) -> None:
@@ -240,16 +368,23 @@ class ApprovalHandler:
         event_id = delivery.properties.get("event_id")
         data = ApprovalOutcomeData(
             vm=self._identity,
-            event_id=str(event_id) if event_id else "unknown",
-            approval_id=delivery.message_id or "unknown",
+            event_id=str(event_id)[:200] if event_id else "unknown",
+            approval_id=(delivery.message_id or "unknown")[:200],
             decided_by="unknown",
             applied=False,
             reason=RejectReason.MALFORMED.value,
             detail=str(exc)[:500],
             dry_run=self._settings.dry_run,
             reply_to=self._reply_to,
+            epoch=self._epoch,
         )
         message = ApprovalOutcomeMessage.build(data, observed_at=datetime.now(UTC))
         await self._store.commit([message])
         self._committed()
         await delivery.ack()
+
+
+def _describe(event: ScheduledEvent) -> str:
+    duration = f", {event.duration_in_seconds} s" if event.duration_in_seconds >= 0 else ""
+    not_before = f", NotBefore {event.not_before_text}" if event.not_before_text else ""
+    return f"{event.event_type}{duration}{not_before}, Resources {', '.join(event.resources)}"

@@ -2,10 +2,15 @@
 
 The command gets the event in environment variables (``EVENT_ID``, ``EVENT_TYPE``,
 ``EVENT_STATUS``, ``NOT_BEFORE``, ``EVENT_RESOURCES``, ``EVENT_DESCRIPTION``,
-``EVENT_SOURCE``, ``EVENT_DURATION``, ``TRANSITION``, ``VM_NAME``) and the whole transition
-message as JSON on stdin. It runs under a timeout (then it is killed). Hooks run one at a time,
-in the order of the transitions, after the transition is safely in the outbox; a hook is run at
-most once (an agent killed while a hook runs does not run it again).
+``EVENT_SOURCE``, ``EVENT_DURATION``, ``TRANSITION``, ``PREVIOUS_STATUS``, ``VM_NAME``,
+``HOOK_ATTEMPT``) and the whole transition message as JSON on stdin. It runs under a timeout
+(then it is killed). Hooks run one at a time, in the order of the transitions.
+
+Hook runs are durable (:class:`~publisher._state.StateStore`): queued in the same transaction as
+their transition, marked running before the command starts, removed when their result is in the
+outbox. So an agent killed while a hook runs reports it on its next start — ``hook.completed``
+with the outcome ``interrupted`` — or, with ``hook_rerun_interrupted`` (for hooks that are safe
+to repeat), runs it again; a ``hooks_done`` policy never waits for a hook that will never report.
 """
 
 from __future__ import annotations
@@ -15,20 +20,22 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from schemas import (
+    HookOutcome,
     HookResultData,
     HookResultMessage,
     ReplyAddress,
-    Transition,
+    SchemaError,
+    TransitionMessage,
     VmIdentity,
+    decode,
 )
 
 from ._observability import Metrics
-from ._settings import HookSpec
-from ._state import StateStore
+from ._state import HookRun, StateStore
 
 __all__ = ["HookRunner", "hook_environment"]
 
@@ -37,30 +44,31 @@ log = logging.getLogger(__name__)
 _TAIL = 2000
 
 
-def hook_environment(transition: Transition, vm: str) -> dict[str, str]:
-    event = transition.event
-    wire = event.to_imds()
+def hook_environment(message: TransitionMessage, vm: str, attempt: int = 1) -> dict[str, str]:
+    data = message.data
+    event = data.event
     return {
         "EVENT_ID": event.event_id,
         "EVENT_TYPE": event.event_type,
         "EVENT_STATUS": event.event_status,
-        "NOT_BEFORE": str(wire.get("NotBefore", "")),
+        "NOT_BEFORE": event.not_before_text,
         "EVENT_RESOURCES": ",".join(event.resources),
         "EVENT_DESCRIPTION": event.description or "",
         "EVENT_SOURCE": event.event_source or "",
         "EVENT_DURATION": str(event.duration_in_seconds),
-        "TRANSITION": transition.kind.value,
-        "PREVIOUS_STATUS": transition.previous_status or "",
+        "TRANSITION": message.kind.value,
+        "PREVIOUS_STATUS": data.previous_status or "",
         "VM_NAME": vm,
+        "HOOK_ATTEMPT": str(attempt),
     }
 
 
 class HookRunner:
-    """``submit`` queues the hooks a transition asks for; ``run`` runs them until cancelled."""
+    """Runs the hook runs the state store holds, oldest first; :meth:`notify` after a commit
+    that queued some. :meth:`run` until cancelled."""
 
     def __init__(
         self,
-        hooks: Sequence[HookSpec],
         *,
         timeout: float,
         identity: VmIdentity,
@@ -68,33 +76,82 @@ class HookRunner:
         store: StateStore,
         metrics: Metrics,
         committed: Callable[[], None],
+        rerun_interrupted: bool = False,
     ) -> None:
-        self._hooks = tuple(hooks)
         self._timeout = timeout
         self._identity = identity
         self._reply_to = reply_to
         self._store = store
         self._metrics = metrics
         self._committed = committed
-        self._queue: asyncio.Queue[tuple[HookSpec, Transition, bytes]] = asyncio.Queue()
+        self._rerun = rerun_interrupted
+        self._wake = asyncio.Event()
+        self._first = True
 
-    def submit(self, transition: Transition, message_body: bytes) -> None:
-        for hook in self._hooks:
-            if transition.kind in hook.on:
-                self._queue.put_nowait((hook, transition, message_body))
+    def notify(self) -> None:
+        self._wake.set()
 
     async def run(self) -> None:
         while True:
-            hook, transition, body = await self._queue.get()
-            await self._run_one(hook, transition, body)
+            self._wake.clear()
+            runs = await self._store.hook_runs()
+            first, self._first = self._first, False
+            for run in runs:
+                if run.state == "running" and first:
+                    await self._interrupted(run)
+                elif run.state in ("queued", "running"):
+                    await self._run_one(run, run.attempt + 1)
+            await self._wake.wait()
 
-    async def _run_one(self, hook: HookSpec, transition: Transition, body: bytes) -> None:
-        argv = shlex.split(hook.command)
-        env = {**os.environ, **hook_environment(transition, self._identity.name)}
+    async def _interrupted(self, run: HookRun) -> None:
+        """A run that was cut off by the agent stopping (a crash, kill -9, power loss)."""
+        if self._rerun:
+            log.warning(
+                "hook %r for transition %s was cut off by a restart: running it again "
+                "(hook_rerun_interrupted)",
+                run.hook,
+                run.transition_id,
+            )
+            await self._run_one(run, run.attempt + 1)
+            return
+        log.warning(
+            "hook %r for transition %s was cut off by a restart: reported as interrupted (set "
+            "hook_rerun_interrupted for hooks that are safe to run again)",
+            run.hook,
+            run.transition_id,
+        )
+        message = self._transition(run)
+        if message is None:
+            return
+        await self._report(
+            run, message, HookOutcome.INTERRUPTED, None, False, 0.0, b"", run.attempt
+        )
+
+    def _transition(self, run: HookRun) -> TransitionMessage | None:
+        try:
+            message = decode(run.body)
+        except SchemaError as exc:  # only a downgrade could make it unreadable
+            log.error("hook run %s: its transition cannot be read (%s): dropped", run.run_id, exc)
+            return None
+        if not isinstance(message, TransitionMessage):
+            log.error("hook run %s is not about a transition: dropped", run.run_id)
+            return None
+        return message
+
+    async def _run_one(self, run: HookRun, attempt: int) -> None:
+        message = self._transition(run)
+        if message is None:
+            await self._store.commit([], hook_done=run.run_id)
+            return
+        command = run.hook.partition("=")[2] or run.hook
+        argv = shlex.split(command)
+        env = {**os.environ, **hook_environment(message, self._identity.name, attempt)}
+        await self._store.hook_started(run.run_id, attempt)
         started = time.monotonic()
         timed_out = False
         exit_code: int | None = None
         output = b""
+        outcome = HookOutcome.FAILED
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -104,43 +161,62 @@ class HookRunner:
                 env=env,
             )
         except OSError as exc:
-            log.error("hook %r could not start: %s", hook.command, exc)
+            log.error("hook %r could not start: %s", command, exc)
             output = f"could not start: {exc}".encode()
+            outcome = HookOutcome.NOT_STARTED
         else:
             try:
-                output, _ = await asyncio.wait_for(process.communicate(body), self._timeout)
+                output, _ = await asyncio.wait_for(process.communicate(run.body), self._timeout)
                 exit_code = process.returncode
+                outcome = HookOutcome.OK if exit_code == 0 else HookOutcome.FAILED
             except TimeoutError:
                 timed_out = True
+                outcome = HookOutcome.TIMED_OUT
                 process.kill()
                 try:
                     output, _ = await asyncio.wait_for(process.communicate(), 5)
                 except TimeoutError:
-                    log.error("hook %r did not die after kill", hook.command)
+                    log.error("hook %r did not die after kill", command)
                 exit_code = process.returncode
         duration = time.monotonic() - started
-        result = "ok" if exit_code == 0 and not timed_out else "timeout" if timed_out else "failed"
-        self._metrics.hooks.labels(result).inc()
         log.info(
-            "hook %r on %s %s: %s (exit %s, %.2f s)",
-            hook.command,
-            transition.kind.value,
-            transition.event.event_id,
-            result,
+            "hook %r on %s %s: %s (exit %s, %.2f s, attempt %d)",
+            command,
+            message.kind.value,
+            message.data.event.event_id,
+            outcome.value,
             exit_code,
             duration,
+            attempt,
         )
+        await self._report(run, message, outcome, exit_code, timed_out, duration, output, attempt)
+
+    async def _report(
+        self,
+        run: HookRun,
+        message: TransitionMessage,
+        outcome: HookOutcome,
+        exit_code: int | None,
+        timed_out: bool,
+        duration: float,
+        output: bytes,
+        attempt: int,
+    ) -> None:
+        self._metrics.hooks.labels(outcome.value).inc()
         data = HookResultData(
             vm=self._identity,
-            event=transition.event,
-            transition=transition.kind.value,
-            hook=hook.command,
+            event=message.data.event,
+            transition=message.kind.value,
+            hook=run.hook.partition("=")[2] or run.hook,
             exit_code=exit_code,
             timed_out=timed_out,
             duration_seconds=round(duration, 3),
             output_tail=output[-_TAIL:].decode("utf-8", "replace"),
             reply_to=self._reply_to,
+            outcome=outcome.value,
+            transition_id=run.transition_id,
+            attempt=max(attempt, 1),
         )
-        message = HookResultMessage.build(data, observed_at=datetime.now(UTC))
-        await self._store.commit([message])
+        result = HookResultMessage.build(data, observed_at=datetime.now(UTC))
+        await self._store.commit([result], hook_done=run.run_id)
         self._committed()

@@ -1,9 +1,15 @@
 """The IMDS client: Scheduled Events (GET, POST StartRequests) and the instance identity.
 
-Never through a proxy (``trust_env=False``), always the ``Metadata: true`` header, every request
-through the shared :class:`~publisher._poller.RequestLimiter`. An error is an error: a 5xx, a
-429, a timeout or a body that is not a document raises :class:`~schemas.ImdsError` (``kind``
-says which), never an empty event list.
+Over :mod:`publisher._http` (never through a proxy, no redirect followed), always the
+``Metadata: true`` header, every request through the shared
+:class:`~publisher._poller.RequestLimiter`. An error is an error: a 5xx, a 429, a timeout or a
+body that is not a document raises :class:`~schemas.ImdsError` (``kind`` says which), never an
+empty event list.
+
+IMDS cannot stall or swell the agent: every request has an overall ``deadline`` (connect, send,
+every byte of the answer: a server dripping one byte every two seconds fails at the deadline,
+not after the sum of per-read timeouts), and an answer larger than ``max_body`` bytes is refused
+as it arrives (a document with thousands of events is well under the default 1 MiB).
 
 >>> async with ImdsClient("http://169.254.169.254") as imds:     # doctest: +SKIP
 ...     document = await imds.scheduled_events()
@@ -17,8 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Self, TypeVar
-
-import httpx
+from urllib.parse import urlencode, urlsplit
 
 from schemas import (
     DEFAULT_API_VERSION,
@@ -28,8 +33,10 @@ from schemas import (
     SchemaError,
     VmIdentity,
 )
+from schemas._backoff import Backoff
+from schemas.messages import loads
 
-from ._backoff import Backoff
+from ._http import BodyTooLarge, HttpClient, HttpError
 from ._poller import RequestLimiter
 
 __all__ = ["RETRYABLE_KINDS", "ImdsClient", "with_retries"]
@@ -39,7 +46,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Error kinds worth asking again (the others are our fault, or a 4xx that will not change).
-RETRYABLE_KINDS = frozenset({"throttled", "gone", "server", "timeout", "connection", "garbage"})
+RETRYABLE_KINDS = frozenset(
+    {"throttled", "gone", "server", "timeout", "connection", "garbage", "too-large"}
+)
+#: The largest answer taken from IMDS.
+DEFAULT_MAX_BODY = 1024 * 1024
 
 
 def _kind_of_status(status: int) -> str:
@@ -63,27 +74,26 @@ class ImdsClient:
         instance_api_version: str = "2021-02-01",
         timeout: float = 5.0,
         first_timeout: float = 120.0,
+        max_body: int = DEFAULT_MAX_BODY,
         limiter: RequestLimiter | None = None,
+        on_request: Callable[[str], None] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_version = api_version
         self.instance_api_version = instance_api_version
         self.timeout = timeout
         self.first_timeout = first_timeout
+        self.max_body = max_body
         self.limiter = limiter or RequestLimiter()
+        self._on_request = on_request
         self._events_url = f"{self.base_url}/metadata/scheduledevents"
         self._instance_url = f"{self.base_url}/metadata/instance"
+        self._attested_url = f"{self.base_url}/metadata/attested/document"
         self._answered = False
         self._last: tuple[bytes, ScheduledEventsDocument] | None = None
-        self._client = httpx.AsyncClient(
-            trust_env=False,
-            headers={"Metadata": "true"},
-            timeout=httpx.Timeout(timeout),
-            follow_redirects=False,
-            # IMDS is plain HTTP on a link-local address: an http:// base never uses TLS, so
-            # the CA bundle (about 1.3 MiB resident) is not loaded for it.
-            verify=not self.base_url.startswith("http://"),
-        )
+        # Never through a proxy, never a redirect followed: the client knows neither.
+        self._client = HttpClient(self.base_url, headers={"Metadata": "true"})
+        self._prefix = urlsplit(self.base_url).path
 
     async def __aenter__(self) -> Self:
         return self
@@ -100,49 +110,69 @@ class ImdsClient:
         await self._client.aclose()
 
     async def _request(
-        self, method: str, url: str, api_version: str, *, body: bytes | None = None
-    ) -> httpx.Response:
+        self,
+        method: str,
+        url: str,
+        api_version: str,
+        *,
+        body: bytes | None = None,
+        params: dict[str, str] | None = None,
+    ) -> bytes:
+        """One request under one overall deadline; the answer's body (at most ``max_body``)."""
         await self.limiter.acquire()
+        if self._on_request is not None:
+            self._on_request(url.removeprefix(self.base_url + "/metadata/"))
         # The first Scheduled Events call enables the service and may take two minutes.
-        timeout = self.timeout if self._answered else self.first_timeout
+        deadline = self.timeout if self._answered else self.first_timeout
+        what = f"IMDS {method} {url}"
+        path = self._prefix + url.removeprefix(self.base_url)
+        query = urlencode({"api-version": api_version, **(params or {})})
         try:
-            response = await self._client.request(
-                method,
-                url,
-                params={"api-version": api_version},
-                content=body,
-                headers={"Content-Type": "application/json"} if body is not None else None,
-                timeout=timeout,
-            )
-        except httpx.TimeoutException as exc:
-            raise ImdsError(f"IMDS {method} timed out after {timeout} s", kind="timeout") from exc
-        except httpx.HTTPError as exc:
-            raise ImdsError(f"IMDS {method} failed: {exc!r}", kind="connection") from exc
-        if response.status_code != 200:
-            kind = _kind_of_status(response.status_code)
+            async with asyncio.timeout(deadline):
+                response = await self._client.request(
+                    method,
+                    f"{path}?{query}",
+                    body=body,
+                    headers={"Content-Type": "application/json"} if body is not None else None,
+                    max_body=self.max_body,
+                )
+        except TimeoutError as exc:
+            raise ImdsError(f"{what} took more than {deadline:g} s", kind="timeout") from exc
+        except BodyTooLarge as exc:
+            raise ImdsError(f"{what} {exc}: refused", status=exc.status, kind="too-large") from exc
+        except HttpError as exc:
+            raise ImdsError(f"{what} failed: {exc}", kind="connection") from exc
+        status, content = response.status, response.body
+        if status == 429:
+            self.limiter.throttled()
+        if status != 200:
+            kind = _kind_of_status(status)
             error = ImdsThrottled if kind == "throttled" else ImdsError
+            hint = ""
+            if status == 404:
+                hint = (
+                    f" (check --imds-url {self.base_url!r}: the agent asks it for "
+                    "/metadata/scheduledevents and /metadata/instance)"
+                )
             raise error(
-                f"IMDS {method} answered {response.status_code}: {response.text[:200]!r}",
-                status=response.status_code,
-                kind=kind,
+                f"{what} answered {status}: {content[:200]!r}{hint}", status=status, kind=kind
             )
-        return response
+        return content
 
     async def scheduled_events(self) -> ScheduledEventsDocument:
         """One GET of the document (no retry: the poller decides when to ask again)."""
-        response = await self._request("GET", self._events_url, self.api_version)
-        raw = response.content
+        raw = await self._request("GET", self._events_url, self.api_version)
         if self._last is not None and self._last[0] == raw:
             self._answered = True
             return self._last[1]  # the same bytes: no need to parse them again
         try:
-            data = json.loads(raw)
+            data = loads(raw)
             # A document without its Events list is garbage, not "no events": only IMDS saying
             # "Events": [] may empty the list.
             if not isinstance(data, dict) or not isinstance(data.get("Events"), list):
                 raise SchemaError("the answer has no Events list")
             document = ScheduledEventsDocument.from_imds(data)
-        except (ValueError, SchemaError) as exc:
+        except (SchemaError, RecursionError) as exc:
             raise ImdsError(f"IMDS answered garbage: {exc}", status=200, kind="garbage") from exc
         self._answered = True
         self._last = (raw, document)
@@ -153,12 +183,25 @@ class ImdsClient:
         body = json.dumps({"StartRequests": [{"EventId": e} for e in event_ids]}).encode()
         await self._request("POST", self._events_url, self.api_version, body=body)
 
+    async def attested(self, nonce: str) -> str:
+        """The attested document (``signature``: base64 PKCS#7) Azure signs for this VM with
+        ``nonce`` in it (no retry)."""
+        raw = await self._request("GET", self._attested_url, "2020-09-01", params={"nonce": nonce})
+        try:
+            data = loads(raw)
+        except (SchemaError, RecursionError) as exc:
+            raise ImdsError(f"IMDS attested data is not JSON: {exc}", kind="garbage") from exc
+        signature = data.get("signature") if isinstance(data, dict) else None
+        if not isinstance(signature, str) or not signature:
+            raise ImdsError("IMDS attested data has no signature", status=200, kind="garbage")
+        return signature
+
     async def identity(self) -> VmIdentity:
         """Who this VM is, from ``/metadata/instance`` (no retry)."""
-        response = await self._request("GET", self._instance_url, self.instance_api_version)
+        raw = await self._request("GET", self._instance_url, self.instance_api_version)
         try:
-            return VmIdentity.from_instance_metadata(response.json())
-        except (ValueError, SchemaError) as exc:
+            return VmIdentity.from_instance_metadata(loads(raw))
+        except (SchemaError, RecursionError) as exc:
             raise ImdsError(
                 f"IMDS instance metadata is not usable: {exc}", status=200, kind="garbage"
             ) from exc

@@ -1,16 +1,21 @@
 """How often the agent asks IMDS: a request limiter for every call, and an adaptive cadence.
 
-IMDS throttles a VM above 5 requests per second (429). :class:`RequestLimiter` is a sliding
-window over every request the agent makes (polls, approval POSTs, identity, approval checks), so
-no one-second window ever holds more than the limit. :class:`Cadence` polls once per
-``poll_interval``, faster for a while after a change or an approval, and while a Scheduled
-event's NotBefore is near.
+IMDS throttles a VM above 5 requests per second (429) — across EVERY client on that VM: the
+Azure guest agent, cluster resource agents, Kubernetes node handlers, the documents' own sample
+loop. The budget is shared, so the agent takes a small part of it: :class:`RequestLimiter` is a
+sliding window over every request the agent makes (polls, approval POSTs, identity), by
+default at most 2 in any one-second window; a 429 halves that for a while (and the caller backs
+off), so the agent slows down when the VM is busy instead of adding to it. :class:`Cadence`
+polls once per ``poll_interval`` (1 s: one request per second while nothing is pending), faster
+(every ``fast_interval``, 0.5 s) for a while after a change or an approval, and while a
+Scheduled event's NotBefore is near.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -20,16 +25,21 @@ from schemas import ScheduledEvent
 
 __all__ = ["Cadence", "RequestLimiter"]
 
+log = logging.getLogger(__name__)
+
 #: Extra spacing so requests that arrive late at IMDS still fall into separate windows.
 _WINDOW_MARGIN = 0.02
+#: How long a 429 halves the limiter's rate.
+_THROTTLED_SECONDS = 10.0
 
 
 class RequestLimiter:
-    """At most ``max_requests`` starts in any ``period`` seconds."""
+    """At most ``max_requests`` starts in any ``period`` seconds; after :meth:`throttled`,
+    half as many (at least one) for ``_THROTTLED_SECONDS``."""
 
     def __init__(
         self,
-        max_requests: int = 5,
+        max_requests: int = 2,
         period: float = 1.0,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -37,17 +47,49 @@ class RequestLimiter:
         self.max_requests = max_requests
         self.period = period + _WINDOW_MARGIN
         self._clock = clock
-        self._starts: deque[float] = deque(maxlen=max_requests)
+        self._starts: deque[float] = deque()
         self._lock = asyncio.Lock()
+        self._slow_until = 0.0
+        #: The most requests started in any one second since :meth:`reset_peak`.
+        self.peak = 0
+        self._recent: deque[float] = deque()
+
+    @property
+    def current_limit(self) -> int:
+        if self._clock() < self._slow_until:
+            return max(1, self.max_requests // 2)
+        return self.max_requests
+
+    def throttled(self) -> None:
+        """IMDS answered 429: other clients on this VM need the budget; slow down."""
+        if self._clock() >= self._slow_until:
+            log.warning(
+                "IMDS throttled this VM (429): the agent halves its request rate for %.0f s",
+                _THROTTLED_SECONDS,
+            )
+        self._slow_until = self._clock() + _THROTTLED_SECONDS
 
     async def acquire(self) -> None:
         """Wait (bounded by ``period``) until one more request fits in the window."""
         async with self._lock:
-            if len(self._starts) == self.max_requests:
-                wait = self._starts[0] + self.period - self._clock()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-            self._starts.append(self._clock())
+            while True:
+                now = self._clock()
+                while self._starts and self._starts[0] <= now - self.period:
+                    self._starts.popleft()
+                if len(self._starts) < self.current_limit:
+                    break
+                await asyncio.sleep(self._starts[0] + self.period - now)
+            started = self._clock()
+            self._starts.append(started)
+            recent = self._recent
+            recent.append(started)
+            while recent and recent[0] <= started - 1.0:
+                recent.popleft()
+            self.peak = max(self.peak, len(recent))
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+        self._recent.clear()
 
 
 class Cadence:
@@ -75,21 +117,24 @@ class Cadence:
         self._fast_until = self._clock() + self.fast_seconds
 
     def wake(self) -> None:
-        self.boost()
         self._woken.set()
 
-    def next_interval(self, events: Iterable[ScheduledEvent], now: datetime | None = None) -> float:
-        """The interval until the next poll, given the events this agent watches."""
+    def pending(self, events: Iterable[ScheduledEvent], now: datetime | None = None) -> bool:
+        """Whether something is about to happen: fast polling, or a Scheduled event whose
+        NotBefore is near (or passed, while it has not started)."""
         if self._clock() < self._fast_until:
-            return self.fast_interval
+            return True
         moment = now or datetime.now(UTC)
         for event in events:
             if event.is_scheduled and event.not_before is not None:
-                # Near NotBefore, and for a while after it while the event has not started.
                 left = (event.not_before - moment).total_seconds()
                 if -60.0 <= left <= self.lead_seconds:
-                    return self.fast_interval
-        return self.interval
+                    return True
+        return False
+
+    def next_interval(self, events: Iterable[ScheduledEvent], now: datetime | None = None) -> float:
+        """The interval until the next poll, given the events this agent watches."""
+        return self.fast_interval if self.pending(events, now) else self.interval
 
     async def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``, or less when :meth:`wake` is called."""

@@ -1,9 +1,14 @@
 """The agent's settings: one typed object, built once at the edge.
 
-Precedence, highest first: command-line flags, environment variables ``SE_RELAY_<NAME>``
-(``SE_RELAY_POLL_INTERVAL=0.5``), the TOML file given by ``--config`` / ``SE_RELAY_CONFIG``
-(keys are the setting names, ``poll_interval = 0.5``), then the defaults. Everything inside the
-agent takes :class:`AgentSettings`; nothing else reads ``os.environ``.
+Precedence, highest first: command-line flags, environment variables
+``SCHEDULED_EVENTS_<NAME>`` (``SCHEDULED_EVENTS_POLL_INTERVAL=0.5``: the same scheme as the
+central services'), the TOML file given by ``--config`` / ``SCHEDULED_EVENTS_CONFIG`` (keys are
+the setting names, ``poll_interval = 0.5``), then the defaults. Everything inside the agent takes
+:class:`AgentSettings`; nothing else reads ``os.environ``. Secrets may come from files
+(``--broker-file``: the broker URL, for systemd's ``LoadCredential=``).
+
+There is no default broker: an agent started without one refuses to start (``memory://`` only
+when named: a publish there with nobody listening is lost).
 
 >>> settings = AgentSettings(imds_url="http://127.0.0.1:8080/vm/web-7", broker="memory://demo")
 >>> settings.poll_interval
@@ -28,7 +33,7 @@ from schemas.transport import broker_kind, redact
 
 __all__ = ["ENV_PREFIX", "AgentSettings", "HookSpec", "parse_settings"]
 
-ENV_PREFIX = "SE_RELAY_"
+ENV_PREFIX = "SCHEDULED_EVENTS_"
 DEFAULT_STATE_DIR = Path("/var/lib/scheduled-events-agent")
 
 
@@ -66,24 +71,35 @@ class AgentSettings:
     imds_url: str = "http://169.254.169.254"
     api_version: str = DEFAULT_API_VERSION
     instance_api_version: str = "2021-02-01"
-    #: ``amqp://`` / ``amqps://`` (RabbitMQ), ``memory://NAME`` (in-process), Service Bus later.
-    broker: str = "memory://"
+    #: ``amqp://`` / ``amqps://`` (RabbitMQ), a Service Bus address, ``memory://NAME``
+    #: (in-process). Required.
+    broker: str = ""
     #: Where the SQLite state lives; None keeps it in memory (nothing survives the process).
     state_dir: Path | None = DEFAULT_STATE_DIR
     poll_interval: float = 1.0
     #: Poll interval while something is happening (a change, an approval, a near NotBefore).
-    fast_poll_interval: float = 0.25
+    fast_poll_interval: float = 0.5
     #: How long polling stays fast after a change or an approval.
     fast_poll_seconds: float = 10.0
     #: Poll fast when a Scheduled event's NotBefore is closer than this.
     not_before_lead_seconds: float = 15.0
-    #: IMDS allows 5 requests per second per VM; counts GET and POST alike.
-    imds_max_rps: int = 5
+    #: IMDS allows 5 requests per second per VM, for every client on it together: the agent
+    #: takes at most this many in any one-second window (GET and POST alike).
+    imds_max_rps: int = 2
+    #: The whole of one IMDS request (connect, send, every byte of the answer).
     imds_timeout: float = 5.0
     #: The very first call may take up to two minutes while IMDS enables the service.
     imds_first_timeout: float = 120.0
+    #: The largest IMDS answer taken, in bytes.
+    imds_max_body: int = 1024 * 1024
+    #: An older document (lower incarnation) is accepted only after this many polls...
+    stale_polls: int = 3
+    #: ...over at least this many seconds (a real reset of IMDS, not a lagging answer).
+    stale_seconds: float = 10.0
     trust_keys: tuple[Path, ...] = ()
     accept_unsigned_approvals: bool = False
+    #: The longest an approval is accepted after it was issued, whatever its expiry says.
+    approval_max_lifetime: float = 3600.0
     dry_run: bool = False
     all_events: bool = False
     #: Local port for /metrics and /healthz; None: no server, 0: any free port.
@@ -100,11 +116,29 @@ class AgentSettings:
     publish_timeout: float = 10.0
     hooks: tuple[HookSpec, ...] = ()
     hook_timeout: float = 60.0
+    #: Run a hook cut off by a crash again (for hooks safe to repeat); else report it
+    #: ``interrupted``.
+    hook_rerun_interrupted: bool = False
+    #: ``always``: consume approvals all the time; ``pending``: only while an event of this VM
+    #: is Scheduled (no broker link for approvals the rest of the time); ``auto``: ``pending``
+    #: on Service Bus (connections are counted there), ``always`` elsewhere.
+    approvals_listen: str = "auto"
+    #: /healthz answers 503 once the broker or IMDS has been failing for this long.
+    health_grace: float = 30.0
+    #: Sign every lifecycle message with an Azure-attested key of this VM's (see
+    #: :mod:`schemas.origin`): ``auto`` (on Service Bus, where the broker names no sender),
+    #: ``on`` or ``off``.
+    sign_messages: str = "auto"
     #: Broker entity names (tests give each run names of its own).
     channels: ChannelNames = field(default=DEFAULT_CHANNELS)
 
     def __post_init__(self) -> None:
         _check_url("imds_url", self.imds_url)
+        if not self.broker.strip():
+            raise ConfigError(
+                f"broker: none given: pass --broker URL (or --broker-file FILE, or set "
+                f"{ENV_PREFIX}BROKER); memory://NAME only for a test in one process"
+            )
         try:
             broker_kind(self.broker)
         except ConfigError as exc:
@@ -122,6 +156,9 @@ class AgentSettings:
             "drain_timeout",
             "publish_timeout",
             "hook_timeout",
+            "approval_max_lifetime",
+            "stale_seconds",
+            "health_grace",
         ):
             _check_positive(name, getattr(self, name))
         for name in ("fast_poll_seconds", "not_before_lead_seconds"):
@@ -131,6 +168,18 @@ class AgentSettings:
         if not 1 <= self.imds_max_rps <= 5:
             raise ConfigError(
                 f"imds_max_rps must be 1..5 (the IMDS limit), got {self.imds_max_rps}"
+            )
+        if self.stale_polls < 1:
+            raise ConfigError(f"stale_polls must be >= 1, got {self.stale_polls}")
+        if self.imds_max_body < 1024:
+            raise ConfigError(
+                f"imds_max_body must be at least 1024 bytes, got {self.imds_max_body}"
+            )
+        if self.sign_messages not in ("auto", "on", "off"):
+            raise ConfigError(f"sign_messages must be auto, on or off, got {self.sign_messages!r}")
+        if self.approvals_listen not in ("auto", "always", "pending"):
+            raise ConfigError(
+                f"approvals_listen must be auto, always or pending, got {self.approvals_listen!r}"
             )
         if self.outbox_limit < 1:
             raise ConfigError(f"outbox_limit must be >= 1, got {self.outbox_limit}")
@@ -145,6 +194,25 @@ class AgentSettings:
         for path in self.trust_keys:
             if not path.is_file():
                 raise ConfigError(f"trust_keys: {path} is not a readable file")
+        if self.trust_keys and self.accept_unsigned_approvals:
+            raise ConfigError(
+                "accept_unsigned_approvals: refused together with trust_keys: with trusted keys "
+                "an unsigned approval is never applied; drop one of the two"
+            )
+
+    @property
+    def listens_always(self) -> bool:
+        """Whether the approvals are consumed all the time (see ``approvals_listen``)."""
+        if self.approvals_listen == "auto":
+            return broker_kind(self.broker) != "servicebus"
+        return self.approvals_listen == "always"
+
+    @property
+    def signs(self) -> bool:
+        """Whether messages carry a signed origin (see ``sign_messages``)."""
+        if self.sign_messages == "auto":
+            return broker_kind(self.broker) == "servicebus"
+        return self.sign_messages == "on"
 
     @property
     def observe_only(self) -> bool:
@@ -210,9 +278,9 @@ def _list(value: object) -> list[str]:
 
 def _coerce(name: str, value: object) -> Any:
     """A raw value from TOML, the environment or a flag, as the field's type."""
-    if name in ("accept_unsigned_approvals", "dry_run", "all_events"):
+    if name in ("accept_unsigned_approvals", "dry_run", "all_events", "hook_rerun_interrupted"):
         return _bool(name, value)
-    if name in ("imds_max_rps", "outbox_limit"):
+    if name in ("imds_max_rps", "outbox_limit", "stale_polls", "imds_max_body"):
         return _number(int, name, value)
     if name == "metrics_port":
         return (
@@ -230,7 +298,7 @@ def _coerce(name: str, value: object) -> Any:
         # In the environment several hooks are separated by ";" (commands may hold commas).
         items = value if isinstance(value, list | tuple) else str(value).split(";")
         return tuple(HookSpec.parse(str(h)) for h in items if str(h).strip())
-    if name == "channel_suffix":
+    if name in ("channel_suffix", "broker_file"):
         return str(value)
     if name in _FLOATS:
         return _number(float, name, value)
@@ -238,7 +306,10 @@ def _coerce(name: str, value: object) -> Any:
 
 
 _FLOATS = {f.name for f in fields(AgentSettings) if f.type in ("float", float)}
-_SETTABLE = {f.name for f in fields(AgentSettings) if f.name != "channels"} | {"channel_suffix"}
+_SETTABLE = {f.name for f in fields(AgentSettings) if f.name != "channels"} | {
+    "channel_suffix",
+    "broker_file",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -259,7 +330,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--instance-api-version", help="instance metadata api-version (default 2021-02-01)"
     )
-    p.add_argument("--broker", help="amqp://, amqps:// or memory://NAME (default memory://)")
+    p.add_argument(
+        "--broker",
+        help="amqp://USER:PASS@HOST/VHOST, amqps://..., a Service Bus connection string or "
+        "sb://NAMESPACE, or memory://NAME (one process); required",
+    )
+    p.add_argument(
+        "--broker-file",
+        metavar="FILE",
+        help="read the broker URL from FILE (its first line): keeps the secret out of the "
+        "command line and the environment (systemd LoadCredential=)",
+    )
     p.add_argument("--state-dir", help=f"SQLite state directory (default {DEFAULT_STATE_DIR})")
     p.add_argument("--poll-interval", help="seconds between polls when idle (default 1)")
     p.add_argument("--fast-poll-interval", help="seconds between polls while busy (default 0.25)")
@@ -268,9 +349,17 @@ def _parser() -> argparse.ArgumentParser:
         "--not-before-lead-seconds", help="poll fast this close to a NotBefore (default 15)"
     )
     p.add_argument(
-        "--imds-max-rps", help="IMDS requests per second, all kinds, at most (1..5, default 5)"
+        "--imds-max-rps",
+        help="IMDS requests in any one-second window, all kinds, at most (1..5, default 2: the "
+        "VM's 5 per second are shared with every other client on it)",
     )
-    p.add_argument("--imds-timeout", help="seconds per IMDS request (default 5)")
+    p.add_argument("--imds-timeout", help="seconds for the whole of one IMDS request (default 5)")
+    p.add_argument("--imds-max-body", help="largest IMDS answer taken, bytes (default 1048576)")
+    p.add_argument(
+        "--stale-polls",
+        help="an older IMDS document is accepted only after this many polls (default 3)",
+    )
+    p.add_argument("--stale-seconds", help="...over at least this many seconds (default 10)")
     p.add_argument(
         "--imds-first-timeout", help="seconds for the very first IMDS request (default 120)"
     )
@@ -286,6 +375,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_const",
         const=True,
         help="apply approvals without a signature (unsafe; for trusted brokers only)",
+    )
+    p.add_argument(
+        "--approval-max-lifetime",
+        metavar="SECONDS",
+        help="refuse an approval this long after it was issued, whatever its expiry says "
+        "(default 3600)",
     )
     p.add_argument(
         "--dry-run",
@@ -315,6 +410,27 @@ def _parser() -> argparse.ArgumentParser:
         help="run COMMAND on these transitions, e.g. started=/usr/local/bin/drain (repeatable)",
     )
     p.add_argument("--hook-timeout", help="seconds a hook may run (default 60)")
+    p.add_argument(
+        "--hook-rerun-interrupted",
+        action="store_const",
+        const=True,
+        help="run a hook cut off by a crash again (for hooks safe to repeat); else it is "
+        "reported as interrupted",
+    )
+    p.add_argument(
+        "--approvals-listen",
+        help="always, pending (only while an event of this VM is Scheduled) or auto (pending on "
+        "Service Bus, always elsewhere; the default)",
+    )
+    p.add_argument(
+        "--sign-messages",
+        help="auto (on Service Bus), on or off: sign every message with a key of this VM's "
+        "that Azure attests (IMDS attested data), so consumers know it is this VM's",
+    )
+    p.add_argument(
+        "--health-grace",
+        help="/healthz answers 503 once the broker or IMDS has failed this long (default 30)",
+    )
     p.add_argument("--channel-suffix", help="suffix for every broker entity name (tests)")
     return p
 
@@ -343,7 +459,22 @@ def parse_settings(
     suffix = values.pop("channel_suffix", None)
     if suffix:
         values["channels"] = DEFAULT_CHANNELS.suffixed(suffix)
+    broker_file = values.pop("broker_file", None)
+    if broker_file:
+        if values.get("broker"):
+            raise ConfigError("broker: give --broker or --broker-file, not both")
+        values["broker"] = _read_secret(Path(broker_file), "broker_file")
     return AgentSettings(**values)
+
+
+def _read_secret(path: Path, name: str) -> str:
+    try:
+        lines = path.read_text().strip().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from exc
+    if not lines or not lines[0].strip():
+        raise ConfigError(f"{name}: {path} is empty")
+    return lines[0].strip()
 
 
 def _read_toml(path: Path) -> dict[str, object]:

@@ -1,13 +1,20 @@
 """The agent's durable state: SQLite in WAL mode, in ``--state-dir``.
 
-It holds the last IMDS document (the whole one, every VM's events), the per-agent sequence, the
-outbox of messages not yet confirmed by the broker, and the outcome of each approval handled.
-A new document, the messages it causes and the sequence numbers they take are written in one
-transaction: after a crash (kill -9 included) the agent finds either the old document and none
-of its messages, or the new one and all of them, so a transition is neither lost nor repeated
-with a different id. Rows leave the outbox only after the broker confirmed them.
+It holds the last IMDS document (the whole one, every VM's events) with each event's revision,
+the per-agent sequence, the outbox of messages not yet confirmed by the broker, the outcome of
+each approval handled, the intent to apply an approval (written before the POST), and the hook
+runs to do. Guarantee: a new document, the messages it causes, the sequence numbers they take
+and the hook runs they ask for are written in one transaction, so after a crash (kill -9
+included) the agent finds either the old document and none of its messages, or the new one and
+all of them; an approval's intent is durable before its POST, so a crash between the POST and
+its outcome is reconciled, not misreported; a hook run is durable before it starts, so one cut
+off is reported or run again, never forgotten. Rows leave the outbox only after the broker
+confirmed them; a row that cannot be sent (unreadable, or refused by the broker for good) is
+set aside in its own table, never deleted.
 
-SQLite runs on one worker thread, never on the event loop.
+SQLite runs on one worker thread, never on the event loop: the store's own, or one it is given
+(many agents in one process, as in the fleet benchmark, share one thread instead of holding one
+each).
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sqlite3
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,9 +33,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from schemas import LifecycleMessage, MessageType, ScheduledEventsDocument
+from schemas import ConfigError, LifecycleMessage, MessageType, ScheduledEventsDocument
 
-__all__ = ["STATE_FILE", "Committed", "OutboxRow", "StateStore", "StoredState"]
+__all__ = [
+    "STATE_FILE",
+    "Committed",
+    "HookRun",
+    "Intent",
+    "OutboxRow",
+    "StateStore",
+    "StoredState",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +62,54 @@ CREATE TABLE IF NOT EXISTS outbox (
     created    REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS outbox_droppable ON outbox (droppable, sequence);
+CREATE TABLE IF NOT EXISTS outbox_set_aside (
+    sequence   INTEGER PRIMARY KEY,
+    message_id TEXT NOT NULL,
+    kind       TEXT NOT NULL,
+    body       BLOB NOT NULL,
+    created    REAL NOT NULL,
+    why        TEXT NOT NULL,
+    reason     TEXT NOT NULL,
+    at         REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS approvals (
     approval_id TEXT PRIMARY KEY,
     message     BLOB NOT NULL,
     decided     REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS approval_intents (
+    approval_id   TEXT PRIMARY KEY,
+    event_id      TEXT NOT NULL,
+    event_version TEXT NOT NULL,
+    body          BLOB NOT NULL,
+    at            REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS approval_attempts (
+    approval_id TEXT PRIMARY KEY,
+    count       INTEGER NOT NULL,
+    first       REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS applied_events (
+    event_id    TEXT PRIMARY KEY,
+    approval_id TEXT NOT NULL,
+    at          REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS hook_runs (
+    run_id        TEXT PRIMARY KEY,
+    position      INTEGER NOT NULL,
+    hook          TEXT NOT NULL,
+    transition_id TEXT NOT NULL,
+    body          BLOB NOT NULL,
+    state         TEXT NOT NULL,
+    attempt       INTEGER NOT NULL,
+    started       REAL
+);
 """
 
 #: Messages the bound may drop (oldest first); every other kind is kept whatever the bound.
 DROPPABLE = frozenset({MessageType.AGENT_HEARTBEAT})
+#: How long outcomes, attempts and applied events are remembered (any redelivery comes sooner).
+REMEMBERED_SECONDS = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +129,14 @@ class StoredState:
     scope: str | None
     next_sequence: int
     depth: int
+    #: Each event's last revision (:func:`schemas.revisions_after`), stored with the document.
+    revisions: dict[str, int]
+    #: Names this store: a new one (a wiped state dir) is a new epoch.
+    epoch: str
+    #: Wall-clock time the store was created.
+    created: float
+    #: Rows set aside (unreadable, or refused by the broker for good).
+    set_aside: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,26 +146,71 @@ class Committed:
     depth: int
 
 
+@dataclass(frozen=True, slots=True)
+class HookRun:
+    """One run of one hook for one transition, durable before it starts."""
+
+    run_id: str
+    hook: str
+    transition_id: str
+    #: The transition message as published (the hook reads it on stdin).
+    body: bytes
+    #: ``queued``, ``running`` (started, no result yet) or ``done``.
+    state: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """An approval about to be (or maybe) POSTed: written before the POST."""
+
+    approval_id: str
+    event_id: str
+    event_version: str
+    body: bytes
+    at: float
+
+
 class StateStore:
     """Open with :meth:`open`; ``path`` None keeps everything in memory (demo, tests)."""
 
-    def __init__(self, connection: sqlite3.Connection, executor: ThreadPoolExecutor, limit: int):
+    def __init__(
+        self,
+        connection: sqlite3.Connection,
+        executor: ThreadPoolExecutor,
+        limit: int,
+        *,
+        owns_executor: bool = True,
+    ):
         self._db = connection
         self._executor = executor
+        self._owns_executor = owns_executor
         self.limit = limit
         self.path: Path | None = None
 
     @classmethod
-    async def open(cls, directory: Path | None, *, limit: int = 10_000) -> StateStore:
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-state")
+    async def open(
+        cls,
+        directory: Path | None,
+        *,
+        limit: int = 10_000,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> StateStore:
+        """Open (creating) the store in ``directory``; :class:`ConfigError` saying what is
+        wrong with a directory that cannot hold it. ``executor``: a single-thread executor to
+        share (its owner shuts it down); by default the store has a thread of its own."""
+        owns = executor is None
+        if executor is None:
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-state")
         loop = asyncio.get_running_loop()
         path = None if directory is None else directory / STATE_FILE
         try:
-            connection = await loop.run_in_executor(executor, _connect, path)
+            connection = await loop.run_in_executor(executor, _connect, directory, path)
         except BaseException:
-            executor.shutdown(wait=False)
+            if owns:
+                executor.shutdown(wait=False)
             raise
-        store = cls(connection, executor, limit)
+        store = cls(connection, executor, limit, owns_executor=owns)
         store.path = path
         return store
 
@@ -112,7 +221,8 @@ class StateStore:
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._db.close)
-        self._executor.shutdown(wait=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
 
     async def load(self) -> StoredState:
         result: StoredState = await self._run(_load)
@@ -123,13 +233,29 @@ class StateStore:
         messages: Sequence[LifecycleMessage],
         *,
         document: ScheduledEventsDocument | None = None,
+        revisions: dict[str, int] | None = None,
         scope: str | None = None,
-        approval_id: str | None = None,
+        outcome_of: str | None = None,
+        applied_event: str | None = None,
+        hooks: Sequence[tuple[int, str]] = (),
+        hook_done: str | None = None,
     ) -> Committed:
-        """In one transaction: store ``document`` (and ``scope``) when given, give each message
-        the next sequence number and put it in the outbox, remember the approval's outcome."""
+        """In one transaction: store ``document`` with its event ``revisions`` (and ``scope``)
+        when given; give each message the next sequence number and put it in the outbox;
+        ``outcome_of``: the first message is that approval's outcome (its intent is settled);
+        ``applied_event``: that event was approved here; ``hooks``: (index of a message in
+        ``messages``, hook) runs to queue for it; ``hook_done``: that hook run has reported."""
         result: Committed = await self._run(
-            _commit, list(messages), document, scope, approval_id, self.limit
+            _commit,
+            list(messages),
+            document,
+            revisions,
+            scope,
+            outcome_of,
+            applied_event,
+            list(hooks),
+            hook_done,
+            self.limit,
         )
         if result.dropped:
             log.warning(
@@ -147,6 +273,9 @@ class StateStore:
             )
         return result
 
+    async def set_scope(self, scope: str) -> None:
+        await self._run(_set_scope, scope)
+
     async def pending(self, limit: int = 100) -> list[OutboxRow]:
         """The oldest rows not yet confirmed, in sequence order."""
         rows: list[OutboxRow] = await self._run(_pending, limit)
@@ -157,31 +286,108 @@ class StateStore:
         depth: int = await self._run(_delete, sequence)
         return depth
 
+    async def set_aside(self, row: OutboxRow, why: str, reason: str) -> int:
+        """Move a row that cannot be sent out of the outbox, keeping it (``why``:
+        ``unreadable`` or ``refused``); returns the depth left."""
+        depth: int = await self._run(_set_aside, row, why, reason)
+        return depth
+
     async def depth(self) -> int:
         depth: int = await self._run(_depth)
         return depth
+
+    async def oldest(self) -> float | None:
+        """When the oldest row still in the outbox was written (wall clock)."""
+        found: float | None = await self._run(_oldest)
+        return found
+
+    async def set_aside_count(self) -> int:
+        count: int = await self._run(_count, "outbox_set_aside")
+        return count
+
+    # ----------------------------------------------------------------------- approvals
 
     async def approval_outcome(self, approval_id: str) -> bytes | None:
         """The outcome message of an approval already handled, if any."""
         found: bytes | None = await self._run(_approval_outcome, approval_id)
         return found
 
+    async def attempt(self, approval_id: str) -> int:
+        """Count one more attempt at an approval (durably); returns the count."""
+        count: int = await self._run(_attempt, approval_id)
+        return count
+
+    async def record_intent(
+        self, approval_id: str, event_id: str, event_version: str, body: bytes
+    ) -> None:
+        """Before the POST: this approval is about to be applied."""
+        await self._run(_record_intent, approval_id, event_id, event_version, body)
+
+    async def intent(self, approval_id: str) -> Intent | None:
+        found: Intent | None = await self._run(_intent, approval_id)
+        return found
+
+    async def intents(self) -> list[Intent]:
+        """Approvals whose POST may have happened with no outcome recorded (a crash)."""
+        found: list[Intent] = await self._run(_intents)
+        return found
+
+    async def applied_by(self, event_id: str) -> str | None:
+        """The approval this store applied for the event, if any."""
+        found: str | None = await self._run(_applied_by, event_id)
+        return found
+
+    # --------------------------------------------------------------------------- hooks
+
+    async def hook_runs(self) -> list[HookRun]:
+        """Runs not done, in the order they were queued."""
+        found: list[HookRun] = await self._run(_hook_runs)
+        return found
+
+    async def hook_started(self, run_id: str, attempt: int) -> None:
+        await self._run(_hook_started, run_id, attempt)
+
 
 # ----------------------------------------------------------------- on the worker thread only
 
 
-def _connect(path: Path | None) -> sqlite3.Connection:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(
-        ":memory:" if path is None else str(path), check_same_thread=False, isolation_level=None
-    )
-    if path is not None:
-        db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a committed transition survives a power loss too; writes happen only on change.
-        db.execute("PRAGMA synchronous=FULL")
-    db.executescript(_SCHEMA)
+def _connect(directory: Path | None, path: Path | None) -> sqlite3.Connection:
+    if directory is not None and path is not None:
+        _check_directory(directory)
+    try:
+        db = sqlite3.connect(
+            ":memory:" if path is None else str(path), check_same_thread=False, isolation_level=None
+        )
+        if path is not None:
+            db.execute("PRAGMA journal_mode=WAL")
+            # FULL: a committed transition survives a power loss too; writes happen on change.
+            db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_SCHEMA)
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(f"state_dir: {path} is not a usable agent state ({exc})") from exc
+    if _meta(db, "epoch") is None:
+        _set_meta(db, "epoch", uuid.uuid4().hex)
+        _set_meta(db, "created", repr(time.time()))
     return db
+
+
+def _check_directory(directory: Path) -> None:
+    resolved = directory.resolve()
+    if resolved.parts[:2] in (("/", "proc"), ("/", "sys"), ("/", "dev")):
+        raise ConfigError(
+            f"state_dir: {directory} is in a kernel file system; give a directory on a disk, "
+            "such as /var/lib/scheduled-events-agent"
+        )
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"state_dir: {directory} is a file, not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"state_dir: cannot create {directory}: {exc.strerror}") from exc
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"state_dir: {directory} is not writable by this user (uid {os.getuid()})"
+        )
 
 
 def _meta(db: sqlite3.Connection, key: str) -> str | None:
@@ -201,23 +407,45 @@ def _depth(db: sqlite3.Connection) -> int:
     return int(db.execute("SELECT count(*) FROM outbox").fetchone()[0])
 
 
+def _count(db: sqlite3.Connection, table: str) -> int:
+    return int(db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+
+
+def _oldest(db: sqlite3.Connection) -> float | None:
+    row = db.execute("SELECT min(created) FROM outbox").fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
 def _load(db: sqlite3.Connection) -> StoredState:
     raw = _meta(db, "document")
     document = None if raw is None else ScheduledEventsDocument.from_imds(json.loads(raw))
+    revisions = json.loads(_meta(db, "revisions") or "{}")
     return StoredState(
         document=document,
         scope=_meta(db, "scope"),
         next_sequence=int(_meta(db, "next_sequence") or 1),
         depth=_depth(db),
+        revisions={str(k): int(v) for k, v in revisions.items()},
+        epoch=_meta(db, "epoch") or "",
+        created=float(_meta(db, "created") or time.time()),
+        set_aside=_count(db, "outbox_set_aside"),
     )
+
+
+def _set_scope(db: sqlite3.Connection, scope: str) -> None:
+    _set_meta(db, "scope", scope)
 
 
 def _commit(
     db: sqlite3.Connection,
     messages: list[LifecycleMessage],
     document: ScheduledEventsDocument | None,
+    revisions: dict[str, int] | None,
     scope: str | None,
-    approval_id: str | None,
+    outcome_of: str | None,
+    applied_event: str | None,
+    hooks: list[tuple[int, str]],
+    hook_done: str | None,
     limit: int,
 ) -> Committed:
     rows: list[OutboxRow] = []
@@ -235,18 +463,38 @@ def _commit(
                 (sequence, numbered.id, kind.value, int(kind in DROPPABLE), body, now),
             )
             rows.append(OutboxRow(sequence, numbered.id, kind.value, body, now))
-            if approval_id is not None:
-                db.execute(
-                    "INSERT OR REPLACE INTO approvals (approval_id, message, decided) "
-                    "VALUES (?, ?, ?)",
-                    (approval_id, body, now),
-                )
             sequence += 1
-        if approval_id is not None:  # outcomes are kept a day: long enough for any redelivery
-            db.execute("DELETE FROM approvals WHERE decided < ?", (now - 86_400,))
+        if outcome_of is not None and rows:
+            db.execute(
+                "INSERT OR REPLACE INTO approvals (approval_id, message, decided) VALUES (?, ?, ?)",
+                (outcome_of, rows[0].body, now),
+            )
+            db.execute("DELETE FROM approval_intents WHERE approval_id = ?", (outcome_of,))
+            db.execute("DELETE FROM approval_attempts WHERE approval_id = ?", (outcome_of,))
+            horizon = now - REMEMBERED_SECONDS
+            db.execute("DELETE FROM approvals WHERE decided < ?", (horizon,))
+            db.execute("DELETE FROM approval_attempts WHERE first < ?", (horizon,))
+            db.execute("DELETE FROM applied_events WHERE at < ?", (horizon,))
+        if applied_event is not None and outcome_of is not None:
+            db.execute(
+                "INSERT OR REPLACE INTO applied_events (event_id, approval_id, at) "
+                "VALUES (?, ?, ?)",
+                (applied_event, outcome_of, now),
+            )
+        for index, hook in hooks:
+            row = rows[index]
+            db.execute(
+                "INSERT OR IGNORE INTO hook_runs (run_id, position, hook, transition_id, body, "
+                "state, attempt) VALUES (?, ?, ?, ?, ?, 'queued', 0)",
+                (f"{row.message_id}/{hook}", row.sequence, hook, row.message_id, row.body),
+            )
+        if hook_done is not None:
+            db.execute("DELETE FROM hook_runs WHERE run_id = ?", (hook_done,))
         _set_meta(db, "next_sequence", str(sequence))
         if document is not None:
             _set_meta(db, "document", json.dumps(document.to_imds(), separators=(",", ":")))
+        if revisions is not None:
+            _set_meta(db, "revisions", json.dumps(revisions, separators=(",", ":")))
         if scope is not None:
             _set_meta(db, "scope", scope)
         depth = _depth(db)
@@ -287,8 +535,99 @@ def _delete(db: sqlite3.Connection, sequence: int) -> int:
     return _depth(db)
 
 
+def _set_aside(db: sqlite3.Connection, row: OutboxRow, why: str, reason: str) -> int:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute(
+            "INSERT OR REPLACE INTO outbox_set_aside (sequence, message_id, kind, body, created, "
+            "why, reason, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.sequence,
+                row.message_id,
+                row.kind,
+                row.body,
+                row.created,
+                why,
+                reason,
+                time.time(),
+            ),
+        )
+        db.execute("DELETE FROM outbox WHERE sequence = ?", (row.sequence,))
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return _depth(db)
+
+
 def _approval_outcome(db: sqlite3.Connection, approval_id: str) -> bytes | None:
     row = db.execute(
         "SELECT message FROM approvals WHERE approval_id = ?", (approval_id,)
     ).fetchone()
     return None if row is None else bytes(row[0])
+
+
+def _attempt(db: sqlite3.Connection, approval_id: str) -> int:
+    db.execute(
+        "INSERT INTO approval_attempts (approval_id, count, first) VALUES (?, 1, ?) "
+        "ON CONFLICT (approval_id) DO UPDATE SET count = count + 1",
+        (approval_id, time.time()),
+    )
+    row = db.execute(
+        "SELECT count FROM approval_attempts WHERE approval_id = ?", (approval_id,)
+    ).fetchone()
+    return int(row[0])
+
+
+def _record_intent(
+    db: sqlite3.Connection, approval_id: str, event_id: str, event_version: str, body: bytes
+) -> None:
+    db.execute(
+        "INSERT OR IGNORE INTO approval_intents (approval_id, event_id, event_version, body, at) "
+        "VALUES (?, ?, ?, ?, ?)",
+        (approval_id, event_id, event_version, body, time.time()),
+    )
+
+
+def _intent_of(row: Any) -> Intent:
+    return Intent(str(row[0]), str(row[1]), str(row[2]), bytes(row[3]), float(row[4]))
+
+
+def _intent(db: sqlite3.Connection, approval_id: str) -> Intent | None:
+    row = db.execute(
+        "SELECT approval_id, event_id, event_version, body, at FROM approval_intents "
+        "WHERE approval_id = ?",
+        (approval_id,),
+    ).fetchone()
+    return None if row is None else _intent_of(row)
+
+
+def _intents(db: sqlite3.Connection) -> list[Intent]:
+    cursor = db.execute(
+        "SELECT approval_id, event_id, event_version, body, at FROM approval_intents ORDER BY at"
+    )
+    return [_intent_of(row) for row in cursor]
+
+
+def _applied_by(db: sqlite3.Connection, event_id: str) -> str | None:
+    row = db.execute(
+        "SELECT approval_id FROM applied_events WHERE event_id = ?", (event_id,)
+    ).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _hook_runs(db: sqlite3.Connection) -> list[HookRun]:
+    cursor = db.execute(
+        "SELECT run_id, hook, transition_id, body, state, attempt FROM hook_runs "
+        "ORDER BY position, run_id"
+    )
+    return [
+        HookRun(str(r), str(h), str(t), bytes(b), str(s), int(a)) for r, h, t, b, s, a in cursor
+    ]
+
+
+def _hook_started(db: sqlite3.Connection, run_id: str, attempt: int) -> None:
+    db.execute(
+        "UPDATE hook_runs SET state = 'running', attempt = ?, started = ? WHERE run_id = ?",
+        (attempt, time.time(), run_id),
+    )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from schemas.channels import ChannelNames
+from schemas.channels import ChannelNames, vm_word
 
 from .harness import GROUP
 
@@ -28,12 +28,18 @@ async def delete_rabbitmq_entities(url: str, channels: ChannelNames, vms: list[s
     async with connection:
         dead = f"{channels.group_prefix}{GROUP}.dead-letter"
         queues = [f"{channels.group_prefix}{GROUP}", dead]
-        queues += [f"{channels.vm_prefix}{vm.casefold()}" for vm in vms]
+        queues += [f"{channels.vm_prefix}{vm_word(vm)}" for vm in vms]
+        queues.append(channels.unrouted)
         for name in queues:
             channel = await connection.channel()
             with contextlib.suppress(aio_pika.exceptions.AMQPError):
                 await channel.queue_delete(name)
-        for name in (channels.events_exchange, channels.approvals_exchange, dead):
+        for name in (
+            channels.events_exchange,
+            channels.approvals_exchange,
+            dead,
+            channels.unrouted,
+        ):
             channel = await connection.channel()
             with contextlib.suppress(aio_pika.exceptions.AMQPError):
                 await channel.exchange_delete(name)

@@ -129,3 +129,15 @@ async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> Non
     async with asyncio.timeout(within):
         while not predicate():  # noqa: ASYNC110 (state of another component, no event to wait on)
             await asyncio.sleep(0.05)
+
+
+def version_of(simulator: Simulator, event_id: str) -> str:
+    """The event version of ``event_id`` as the simulator's IMDS shows it now (what an approver
+    that judged it now would bind its approval to); a made-up version for an unknown event."""
+    from schemas import ScheduledEvent, event_version
+
+    for vm in simulator.vm_names():
+        for raw in simulator.scheduled_events_document(vm)["Events"]:
+            if raw["EventId"].casefold() == event_id.casefold():
+                return event_version(ScheduledEvent.from_imds(raw))
+    return "0" * 32

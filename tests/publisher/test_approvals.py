@@ -22,7 +22,7 @@ from schemas.transport import open_transport
 from schemas.wire import approval_message
 
 from .conftest import Broker
-from .harness import Recorder, recorder, running, settings_for, simulator_server
+from .harness import Recorder, recorder, running, settings_for, simulator_server, version_of
 
 
 def _posts(server, vm: str) -> list[str]:
@@ -66,7 +66,15 @@ async def test_a_signed_approval_is_applied_and_reported(broker: Broker, tmp_pat
             server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
         )
         async with running(settings):
-            approval = sign(new_approval(event.event_id, "web-7", decided_by="test"), key)
+            approval = sign(
+                new_approval(
+                    event.event_id,
+                    "web-7",
+                    decided_by="test",
+                    event_version=version_of(server.simulator, event.event_id),
+                ),
+                key,
+            )
             # A forged copy with the same id first: rejected, and it does not shadow the real one.
             forged = approval.model_copy(update={"decided_by": "mallory"})
             await _send(broker, forged)
@@ -111,7 +119,12 @@ async def test_bad_approvals_are_rejected_with_their_reason_and_never_posted(
         )
         async with running(settings):
             sim.start_event(started.event_id)
-            good = new_approval(scheduled.event_id, "web-7", decided_by="test")
+            good = new_approval(
+                scheduled.event_id,
+                "web-7",
+                decided_by="test",
+                event_version=version_of(server.simulator, scheduled.event_id),
+            )
             tampered = sign(good, key).model_copy(update={"reason": "changed after signing"})
             past = datetime.now(UTC) - timedelta(hours=1)
             cases = {
@@ -125,17 +138,36 @@ async def test_bad_approvals_are_rejected_with_their_reason_and_never_posted(
                         decided_by="test",
                         now=past,
                         ttl=timedelta(minutes=59, seconds=50),
+                        event_version=version_of(server.simulator, scheduled.event_id),
                     ),
                     key,
                 ),
                 RejectReason.NOT_FOR_THIS_VM: sign(
-                    new_approval(scheduled.event_id, "web-8", decided_by="test"), key
+                    new_approval(
+                        scheduled.event_id,
+                        "web-8",
+                        decided_by="test",
+                        event_version=version_of(server.simulator, scheduled.event_id),
+                    ),
+                    key,
                 ),
                 RejectReason.EVENT_NOT_SCHEDULED: sign(
-                    new_approval(started.event_id, "web-7", decided_by="test"), key
+                    new_approval(
+                        started.event_id,
+                        "web-7",
+                        decided_by="test",
+                        event_version=version_of(server.simulator, started.event_id),
+                    ),
+                    key,
                 ),
                 RejectReason.EVENT_NOT_FOUND: sign(
-                    new_approval(str(uuid.uuid4()).upper(), "web-7", decided_by="test"), key
+                    new_approval(
+                        str(uuid.uuid4()).upper(),
+                        "web-7",
+                        decided_by="test",
+                        event_version=version_of(server.simulator, str(uuid.uuid4()).upper()),
+                    ),
+                    key,
                 ),
             }
             for reason, approval in cases.items():
@@ -172,7 +204,13 @@ async def test_without_a_trust_key_the_agent_is_observe_only(tmp_path: Path) -> 
         settings = settings_for(server, "web-7", broker.url, broker.channels, None)
         async with running(settings):
             approval = sign(
-                new_approval(event.event_id, "web-7", decided_by="t"), load_signing_key(private)
+                new_approval(
+                    event.event_id,
+                    "web-7",
+                    decided_by="t",
+                    event_version=version_of(server.simulator, event.event_id),
+                ),
+                load_signing_key(private),
             )
             await _send(broker, approval)
             outcome = await _outcome(rec, approval.approval_id)
@@ -193,10 +231,20 @@ async def test_unsigned_approvals_only_with_accept_unsigned(tmp_path: Path) -> N
             server, "web-7", broker.url, broker.channels, None, accept_unsigned_approvals=True
         )
         async with running(settings):
-            wrong_vm = new_approval(event.event_id, "web-8", decided_by="t")
+            wrong_vm = new_approval(
+                event.event_id,
+                "web-8",
+                decided_by="t",
+                event_version=version_of(server.simulator, event.event_id),
+            )
             await _send(broker, wrong_vm)
             assert (await _outcome(rec, wrong_vm.approval_id)).data.reason == "not-for-this-vm"
-            approval = new_approval(event.event_id, "web-7", decided_by="t")
+            approval = new_approval(
+                event.event_id,
+                "web-7",
+                decided_by="t",
+                event_version=version_of(server.simulator, event.event_id),
+            )
             await _send(broker, approval)
             assert (await _outcome(rec, approval.approval_id)).data.applied
         assert len(_posts(server, "web-7")) == 1
@@ -217,7 +265,13 @@ async def test_dry_run_verifies_and_reports_but_never_posts(tmp_path: Path) -> N
         )
         async with running(settings):
             approval = sign(
-                new_approval(event.event_id, "web-7", decided_by="t"), load_signing_key(private)
+                new_approval(
+                    event.event_id,
+                    "web-7",
+                    decided_by="t",
+                    event_version=version_of(server.simulator, event.event_id),
+                ),
+                load_signing_key(private),
             )
             await _send(broker, approval)
             outcome = await _outcome(rec, approval.approval_id)

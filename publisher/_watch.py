@@ -1,0 +1,308 @@
+"""The watcher: polls IMDS, turns each new document into transitions, commits them with the
+document in one transaction, and tells the outbox and the hooks.
+
+It trusts IMDS only as far as IMDS deserves:
+
+- an error, a timeout, garbage, a body too large: a failed poll, never an empty document;
+- a document OLDER than the last one trusted (a lower ``DocumentIncarnation``, as a lagging IMDS
+  replica serves, or a reset to incarnation 0 with no events) is held back, not diffed: it is
+  accepted only once it has persisted for ``stale_polls`` polls over ``stale_seconds`` (a real
+  reset), and the log says so either way. So a stale answer for a second never completes an
+  event still running, starts one again, or publishes its real end under an id used already;
+- an event with a NotBefore that is not a date is kept (with a warning), so one bad field never
+  blinds the agent to the other events.
+
+Approvals ask for a document fetched after they arrived (:meth:`Watcher.fresh`): the next poll
+is made at once and serves both, so an approval costs one GET (plus its POST), and the
+transitions that GET shows are published like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from schemas import (
+    ImdsError,
+    ImdsThrottled,
+    ReplyAddress,
+    ScheduledEvent,
+    ScheduledEventsDocument,
+    TransitionMessage,
+    VmIdentity,
+    diff,
+    revisions_after,
+)
+from schemas._backoff import Backoff
+
+from ._hooks import HookRunner
+from ._imds import ImdsClient
+from ._observability import Metrics
+from ._outbox import OutboxPublisher
+from ._poller import Cadence
+from ._settings import AgentSettings
+from ._state import StateStore
+
+__all__ = ["Watcher"]
+
+log = logging.getLogger(__name__)
+
+#: The longest pause between polls while IMDS keeps failing.
+IMDS_BACKOFF_CAP = 8.0
+
+
+class Watcher:
+    """One VM's view of IMDS; :meth:`run` until cancelled."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        identity: VmIdentity,
+        reply_to: ReplyAddress,
+        imds: ImdsClient,
+        store: StateStore,
+        metrics: Metrics,
+        outbox: OutboxPublisher,
+        hooks: HookRunner,
+        cadence: Cadence,
+        scope: str,
+        stored_scope: str | None,
+        previous: ScheduledEventsDocument | None,
+        revisions: dict[str, int],
+        on_depth: Callable[[int, int], None],
+    ) -> None:
+        self._settings = settings
+        self._identity = identity
+        self._reply_to = reply_to
+        self._imds = imds
+        self._store = store
+        self._metrics = metrics
+        self._outbox = outbox
+        self._hooks = hooks
+        self._cadence = cadence
+        self._scope = scope
+        self._stored_scope = stored_scope
+        self._on_depth = on_depth
+        #: The last document trusted (committed): what transitions are computed from.
+        self.document = previous
+        self._revisions = revisions
+        self._held_since: float | None = None
+        self._held_polls = 0
+        self._waiters: list[asyncio.Future[ScheduledEventsDocument]] = []
+        self._warned_not_before: set[str] = set()
+        #: Monotonic time of the last good poll; set when IMDS fails, cleared when it answers.
+        self.last_poll: float | None = None
+        self.failing_since: float | None = None
+        self.last_error: str | None = None
+        self.polled = asyncio.Event()
+        #: Set while an event of this VM is Scheduled (an approval could come for it).
+        self.approvable = asyncio.Event()
+
+    # ---------------------------------------------------------------------------- fresh
+
+    async def fresh(self) -> ScheduledEventsDocument:
+        """A document fetched after this call (and trusted); :class:`ImdsError` when that
+        poll failed or IMDS answered an older document."""
+        future: asyncio.Future[ScheduledEventsDocument] = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        self._cadence.wake()
+        return await future
+
+    def _answer(
+        self, waiters: list[asyncio.Future[ScheduledEventsDocument]], result: object
+    ) -> None:
+        for future in waiters:
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                assert isinstance(result, ScheduledEventsDocument)
+                future.set_result(result)
+
+    # ------------------------------------------------------------------------------- loop
+
+    async def run(self) -> None:
+        settings = self._settings
+        backoff = Backoff(settings.poll_interval, max(IMDS_BACKOFF_CAP, settings.poll_interval))
+        if self._stored_scope is not None and self._stored_scope != self._scope:
+            # The scope changed since the last run (--all-events on or off): say so now, so a
+            # later run knows which events this one announced.
+            await self._store.set_scope(self._scope)
+            self._stored_scope = self._scope
+        while True:
+            began = time.monotonic()
+            waiters, self._waiters = self._waiters, []
+            try:
+                document = await self._imds.scheduled_events()
+            except ImdsError as exc:
+                self._failed(exc)
+                self._answer(waiters, exc)
+                delay = backoff.next() * (4 if isinstance(exc, ImdsThrottled) else 1)
+                log.warning(
+                    "IMDS poll failed (%s); next try in %.2f s", exc, min(delay, IMDS_BACKOFF_CAP)
+                )
+                await self._cadence.sleep(min(delay, IMDS_BACKOFF_CAP))
+                continue
+            backoff.reset()
+            self._answered()
+            trusted = await self._take(document)
+            if trusted:
+                self._answer(waiters, document)
+            else:
+                self._answer(
+                    waiters,
+                    ImdsError("IMDS answered an older document: held back", kind="stale"),
+                )
+            self.polled.set()
+            watched = self._watched(self.document)
+            self._set_approvable(watched)
+            due = began + self._cadence.next_interval(watched)
+            await self._cadence.sleep(due - time.monotonic())
+
+    def _failed(self, exc: ImdsError) -> None:
+        self._metrics.imds_errors.labels(exc.kind).inc()
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+        self.last_error = str(exc)
+
+    def _answered(self) -> None:
+        self._metrics.polls.inc()
+        self._metrics.last_poll.set(time.time())
+        self.last_poll = time.monotonic()
+        self.failing_since = None
+        self.last_error = None
+
+    def _watched(self, document: ScheduledEventsDocument | None) -> tuple[ScheduledEvent, ...]:
+        if document is None:
+            return ()
+        if self._settings.all_events:
+            return document.events
+        vm = self._identity.name
+        return tuple(e for e in document.events if e.affects(vm))
+
+    def _set_approvable(self, watched: tuple[ScheduledEvent, ...]) -> None:
+        vm = self._identity.name
+        if any(e.is_scheduled and e.affects(vm) for e in watched):
+            self.approvable.set()
+        else:
+            self.approvable.clear()
+
+    # ---------------------------------------------------------------------- a document
+
+    async def _take(self, document: ScheduledEventsDocument) -> bool:
+        """Diff and commit ``document`` unless it is older than the one trusted; whether it is
+        trusted now."""
+        previous = self.document
+        if document is previous:
+            return True
+        if previous is not None and document.document_incarnation < previous.document_incarnation:
+            if not self._hold(document, previous):
+                return False
+        elif self._held_since is not None:
+            log.info(
+                "IMDS answers incarnation %d again after %d older answer(s): they were not "
+                "acted on",
+                document.document_incarnation,
+                self._held_polls,
+            )
+            self._held_since, self._held_polls = None, 0
+        self._warn_bad_not_before(document)
+        await self._commit(previous, document)
+        return True
+
+    def _hold(self, document: ScheduledEventsDocument, previous: ScheduledEventsDocument) -> bool:
+        """An older document: held back until it persists; True once it is accepted."""
+        settings = self._settings
+        now = time.monotonic()
+        self._metrics.stale_documents.inc()
+        if self._held_since is None:
+            self._held_since = now
+            log.warning(
+                "IMDS answered incarnation %d, older than the %d trusted (%d events now, %d "
+                "trusted): held back; accepted only if it persists %d polls over %.0f s (a "
+                "reset of IMDS)",
+                document.document_incarnation,
+                previous.document_incarnation,
+                len(document.events),
+                len(previous.events),
+                settings.stale_polls,
+                settings.stale_seconds,
+            )
+        self._held_polls += 1
+        persisted = now - self._held_since
+        if self._held_polls < settings.stale_polls or persisted < settings.stale_seconds:
+            return False
+        log.warning(
+            "IMDS kept answering incarnation %d (older than %d) for %d polls over %.1f s: "
+            "taken as a reset of IMDS; its events are diffed against the last trusted document",
+            document.document_incarnation,
+            previous.document_incarnation,
+            self._held_polls,
+            persisted,
+        )
+        self._held_since, self._held_polls = None, 0
+        return True
+
+    def _warn_bad_not_before(self, document: ScheduledEventsDocument) -> None:
+        for event in document.events:
+            if not event.not_before_valid and event.event_id not in self._warned_not_before:
+                self._warned_not_before.add(event.event_id)
+                log.warning(
+                    "event %s has a NotBefore that is not a date (%r): kept as sent; its other "
+                    "fields and the other events are published as usual",
+                    event.event_id,
+                    event.not_before_text,
+                )
+
+    async def _commit(
+        self, previous: ScheduledEventsDocument | None, document: ScheduledEventsDocument
+    ) -> None:
+        settings = self._settings
+        vm = self._identity.name
+        transitions = diff(previous, document, self._revisions)
+        revisions = revisions_after(self._revisions, transitions, document)
+        chosen = [t for t in transitions if settings.all_events or t.event.affects(vm)]
+        now = datetime.now(UTC)
+        messages = [
+            TransitionMessage.build(t, vm=self._identity, reply_to=self._reply_to, observed_at=now)
+            for t in chosen
+        ]
+        hooks = [
+            (index, str(hook))
+            for index, transition in enumerate(chosen)
+            for hook in settings.hooks
+            if transition.kind in hook.on
+        ]
+        result = await self._store.commit(
+            messages,
+            document=document,
+            revisions=revisions,
+            scope=self._scope if self._stored_scope != self._scope else None,
+            hooks=hooks,
+        )
+        self._stored_scope = self._scope
+        self._revisions = revisions
+        self.document = document
+        self._on_depth(result.depth, result.dropped)
+        for transition, row in zip(chosen, result.rows, strict=True):
+            self._metrics.transitions.labels(transition.kind.value).inc()
+            log.info(
+                "%s %s %s (incarnation %d, revision %d) -> outbox seq %d",
+                transition.kind.value,
+                transition.event.event_type,
+                transition.event.event_id,
+                transition.incarnation,
+                transition.revision,
+                row.sequence,
+            )
+        if messages:
+            self._outbox.notify()
+        if hooks:
+            self._hooks.notify()
+        if transitions:
+            self._cadence.boost()

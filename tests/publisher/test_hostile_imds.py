@@ -1,0 +1,227 @@
+"""IMDS cannot crash, stall, swell or fool the agent: poison bodies are failed polls, a dripping
+answer fails at the request's deadline, a huge one is refused as it arrives, an older document
+(a lagging answer, a reset) is held back instead of diffed, and one malformed field does not
+hide the other events. The simulator over HTTP, the in-memory broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from publisher.simulator import EventSpec, EventType, FaultSpec
+from schemas import MessageType
+from schemas.channels import ChannelNames
+
+from .harness import Recorder, eventually, recorder, running, settings_for, simulator_server
+
+
+def _broker() -> tuple[str, ChannelNames]:
+    unique = uuid.uuid4().hex[:8]
+    return f"memory://hostile-{unique}", ChannelNames().suffixed(unique)
+
+
+def _transitions(rec: Recorder, event_id: str) -> list[str]:
+    return [m.kind.value for m in rec.transitions() if m.subject == event_id]
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["[" * 100_000, '{"DocumentIncarnation": 1, "Events": ' + "[" * 50_000, "\x00" * 1000, "{}"],
+    ids=["deep-brackets", "deep-events", "nul-bytes", "no-events"],
+)
+async def test_a_poison_body_is_a_failed_poll_and_the_agent_goes_on(
+    body: str, tmp_path: Path
+) -> None:
+    broker, channels = _broker()
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path, poll_interval=0.2)
+        async with running(settings) as agent:
+            sim.add_fault(FaultSpec(vm="web-7", endpoint="scheduledevents", body=body, times=3))
+            await eventually(lambda: not sim.faults(), 10)
+            event = sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+            await rec.wait_kind(MessageType.SCHEDULED, within=10)
+            errors = agent.metrics.registry.get_sample_value(
+                "agent_imds_errors_total", {"kind": "garbage"}
+            )
+    assert errors == 3
+    assert _transitions(rec, event.event_id) == ["scheduled"]  # nothing else invented
+
+
+async def test_a_dripping_answer_fails_at_the_deadline_not_after_every_byte(
+    tmp_path: Path,
+) -> None:
+    """One byte every 2 s restarted the per-read timeout for over 150 s: now the whole request
+    has one deadline (imds_timeout)."""
+    broker, channels = _broker()
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(
+            server, "web-7", broker, channels, tmp_path, imds_timeout=1.0, poll_interval=0.2
+        )
+        async with running(settings) as agent:
+            sim.add_fault(
+                FaultSpec(vm="web-7", endpoint="scheduledevents", drip_seconds=2.0, times=1)
+            )
+            began = time.monotonic()
+            await eventually(
+                lambda: (
+                    (
+                        agent.metrics.registry.get_sample_value(
+                            "agent_imds_errors_total", {"kind": "timeout"}
+                        )
+                        or 0
+                    )
+                    >= 1
+                ),
+                10,
+            )
+            failed_after = time.monotonic() - began
+            event = sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+            await rec.wait_kind(MessageType.SCHEDULED, within=10)
+    assert failed_after < 3.0, failed_after
+    assert _transitions(rec, event.event_id) == ["scheduled"]
+
+
+async def test_a_huge_answer_is_refused_as_it_arrives_and_memory_stays_flat(
+    tmp_path: Path,
+) -> None:
+    """A 50 MB body took the agent from 58 MB to 673 MB: now it is cut off at 1 MiB. The agent
+    runs as its own process so its memory is its own."""
+    broker, _ = _broker()
+    async with simulator_server("web-7", rate_limit=0) as server:
+        sim = server.simulator
+        log = tmp_path / "agent.log"
+        with log.open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "publisher",
+                "--imds-url", server.vm_url("web-7"), "--broker", broker,
+                "--state-dir", str(tmp_path / "state"), "--poll-interval", "0.3",
+                "--imds-first-timeout", "5",
+                stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
+                env={k: v for k, v in os.environ.items() if not k.startswith("SCHEDULED_EVENTS")},
+            )  # fmt: skip
+        try:
+            await _wait_for(log, "agent ready", 30)
+            agent = psutil.Process(process.pid)
+            before = agent.memory_info().rss
+            sim.add_fault(FaultSpec(vm="web-7", endpoint="scheduledevents", huge_mb=50, times=3))
+            peak = before
+            async with asyncio.timeout(30):
+                while sim.faults():
+                    peak = max(peak, agent.memory_info().rss)
+                    await asyncio.sleep(0.02)
+            await _wait_for(log, "1048576 taken", 10)
+            await asyncio.sleep(0.5)
+            peak = max(peak, agent.memory_info().rss)
+            assert process.returncode is None, log.read_text()
+        finally:
+            process.terminate()
+            await process.wait()
+    assert (peak - before) / 2**20 < 15, f"{(peak - before) / 2**20:.1f} MiB more"
+
+
+async def _wait_for(path: Path, text: str, within: float) -> None:
+    async with asyncio.timeout(within):
+        while text not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes
+            await asyncio.sleep(0.05)
+
+
+async def test_an_older_document_is_held_back_and_invents_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """IMDS served inc 3 (Started), then inc 2 (Scheduled) for a while, then inc 3 again: no
+    second ``started``, no ``completed`` while it runs, and its real end later, once."""
+    broker, channels = _broker()
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path, poll_interval=0.2)
+        async with running(settings):
+            event = sim.add_event(
+                EventSpec(event_type=EventType.REBOOT, not_before_seconds=900, run_seconds=900)
+            )
+            await rec.wait_kind(MessageType.SCHEDULED)
+            sim.start_event(event.event_id)
+            await rec.wait_kind(MessageType.STARTED)
+            with caplog.at_level(logging.WARNING, logger="publisher._watch"):
+                sim.add_fault(FaultSpec(vm="web-7", endpoint="scheduledevents", stale=1, times=5))
+                await eventually(lambda: not sim.faults(), 10)
+                await asyncio.sleep(0.6)  # a few polls of the real document again
+            sim.complete_event(event.event_id)
+            await rec.wait_kind(MessageType.COMPLETED)
+            await asyncio.sleep(0.5)
+    assert _transitions(rec, event.event_id) == ["scheduled", "started", "completed"]
+    assert "held back" in caplog.text
+
+
+async def test_a_reset_to_nothing_is_not_taken_on_one_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Incarnation 0 with no events for a moment must not cancel every event; only a reset that
+    persists (stale_polls over stale_seconds) is taken, and the log says so."""
+    broker, channels = _broker()
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(
+            server,
+            "web-7",
+            broker,
+            channels,
+            tmp_path,
+            poll_interval=0.2,
+            stale_polls=3,
+            stale_seconds=1.5,
+        )
+        async with running(settings):
+            events = [
+                sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+                for _ in range(3)
+            ]
+            await rec.wait_kind(MessageType.SCHEDULED, 3)
+            sim.add_fault(FaultSpec(vm="web-7", endpoint="scheduledevents", reset=True, times=2))
+            await eventually(lambda: not sim.faults(), 10)
+            await asyncio.sleep(1.0)
+            assert not rec.of(MessageType.CANCELED)  # a moment of nothing: held back
+            with caplog.at_level(logging.WARNING, logger="publisher._watch"):
+                sim.add_fault(
+                    FaultSpec(vm="web-7", endpoint="scheduledevents", reset=True, times=40)
+                )
+                await rec.wait_kind(MessageType.CANCELED, 3, within=15)
+    assert "taken as a reset of IMDS" in caplog.text
+    assert sorted(m.subject or "" for m in rec.of(MessageType.CANCELED)) == sorted(
+        e.event_id for e in events
+    )
+
+
+async def test_one_malformed_not_before_does_not_hide_the_other_events(tmp_path: Path) -> None:
+    broker, channels = _broker()
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path, poll_interval=0.2)
+        good = sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+        document = sim.scheduled_events_document("web-7")
+        bad = dict(document["Events"][0], EventId=str(uuid.uuid4()).upper(), NotBefore="soon")
+        document["Events"].append(bad)
+        document["DocumentIncarnation"] += 1
+        sim.add_fault(
+            FaultSpec(
+                vm="web-7", endpoint="scheduledevents", body=json.dumps(document), times=10_000
+            )
+        )
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED, 2)
+    by_id = {m.subject: m for m in rec.of(MessageType.SCHEDULED)}
+    assert set(by_id) == {good.event_id, bad["EventId"]}
+    carried = by_id[bad["EventId"]].data.event  # type: ignore[union-attr]
+    assert carried is not None
+    assert carried.not_before_text == "soon"
+    assert not carried.not_before_valid

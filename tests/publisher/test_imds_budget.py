@@ -1,0 +1,127 @@
+"""IMDS is shared: the VM's 5 requests per second belong to every client on it. The agent takes
+at most 2 in any one-second window (1 while nothing is pending) and slows down on 429, so the
+documents' own sample loop running beside it on the same VM gets every approval POST through.
+The simulator throttles at 5 per second per VM, as Azure does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import requests
+
+from publisher.simulator import EventSource, EventSpec, EventType, FaultSpec
+from schemas import MessageType
+from schemas.channels import ChannelNames
+
+from .harness import recorder, running, settings_for, simulator_server
+
+
+class SampleLoop(threading.Thread):
+    """The documents' Python sample: poll once a second, approve user-initiated events and
+    short Freezes, as written there (``requests``, a thread of its own)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url + "/metadata/scheduledevents"
+        self.stop = threading.Event()
+        self.posts: list[int] = []
+        self.gets: list[int] = []
+        self.approved: set[str] = set()
+
+    def run(self) -> None:
+        header = {"Metadata": "true"}
+        params = {"api-version": "2020-07-01"}
+        session = requests.Session()
+        session.trust_env = False
+        while not self.stop.is_set():
+            response = session.get(self.url, headers=header, params=params, timeout=5)
+            self.gets.append(response.status_code)
+            if response.status_code == 200:
+                for event in response.json()["Events"]:
+                    if event["EventStatus"] != "Scheduled" or event["EventId"] in self.approved:
+                        continue
+                    short_freeze = (
+                        event["EventType"] == "Freeze" and 0 <= int(event["DurationInSeconds"]) < 9
+                    )
+                    if event["EventSource"] == "User" or short_freeze:
+                        body = json.dumps({"StartRequests": [{"EventId": event["EventId"]}]})
+                        answer = session.post(
+                            self.url, headers=header, params=params, data=body, timeout=5
+                        )
+                        self.posts.append(answer.status_code)
+                        if answer.status_code == 200:
+                            self.approved.add(event["EventId"])
+            self.stop.wait(1.0)
+
+
+async def test_the_agent_leaves_the_vm_its_share_and_the_sample_loop_gets_every_post_through(
+    tmp_path: Path,
+) -> None:
+    unique = uuid.uuid4().hex[:8]
+    broker, channels = f"memory://budget-{unique}", ChannelNames().suffixed(unique)
+    async with simulator_server("web-7", rate_limit=5) as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path)  # the defaults
+        sample = SampleLoop(server.vm_url("web-7"))
+        async with running(settings) as agent:
+            sample.start()
+            try:
+                await asyncio.sleep(3)  # idle: nothing pending
+                agent.limiter.reset_peak()
+                await asyncio.sleep(5)
+                idle_peak = agent.limiter.peak
+                agent.limiter.reset_peak()
+                sim.reset_request_stats()
+                # A busy minute, compressed: events appear, change and start; the agent polls
+                # fast after each change.
+                for index in range(6):
+                    source = EventSource.USER if index % 2 else EventSource.PLATFORM
+                    sim.add_event(
+                        EventSpec(
+                            event_type=EventType.FREEZE if index % 3 else EventType.REBOOT,
+                            event_source=source,
+                            duration_in_seconds=5,
+                            not_before_seconds=900,
+                            run_seconds=2,
+                        )
+                    )
+                    await asyncio.sleep(1.5)
+                # The sample approves some before the agent saw them Scheduled: any report counts.
+                await rec.wait_for(
+                    lambda ms: len({m.subject for m in ms if m.kind.is_transition}) >= 6,
+                    within=15,
+                )
+                busy_peak = agent.limiter.peak
+            finally:
+                sample.stop.set()
+                await asyncio.to_thread(sample.join, 10)
+        stats = sim.request_stats("web-7")
+    assert idle_peak <= 1, idle_peak
+    assert busy_peak <= 2, busy_peak
+    assert sample.posts, "the sample loop approved nothing"
+    assert all(status == 200 for status in sample.posts), sample.posts
+    assert stats.count(method="POST", status=429) == 0
+    assert 429 not in sample.gets
+
+
+async def test_a_429_halves_the_agents_rate_for_a_while_and_loses_nothing(tmp_path: Path) -> None:
+    unique = uuid.uuid4().hex[:8]
+    broker, channels = f"memory://throttled-{unique}", ChannelNames().suffixed(unique)
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path, imds_max_rps=4)
+        async with running(settings) as agent:
+            sim.add_fault(FaultSpec(vm="web-7", endpoint="scheduledevents", status=429, times=2))
+            event = sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+            await rec.wait_kind(MessageType.SCHEDULED, within=15)
+            assert agent.limiter.current_limit == 2  # halved while the VM is busy
+            started = time.monotonic()
+            sim.start_event(event.event_id)
+            await rec.wait_kind(MessageType.STARTED, within=15)
+            assert time.monotonic() - started < 5
+    assert [m.kind.value for m in rec.transitions()] == ["scheduled", "started"]

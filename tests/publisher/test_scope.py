@@ -1,0 +1,55 @@
+"""What the agent announces follows its scope, across restarts: with ``--all-events`` it
+publishes every event its document shows (the other VMs of its placement group's), without it
+only its own; switching the scope off and on again announces what it did not announce meanwhile,
+and the events it sees but is not in never confuse its own. The simulator's topology delivers
+an event to every VM of the placement group, as Azure does."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from publisher.simulator import EventSpec, EventType
+from schemas import MessageType
+from schemas.channels import ChannelNames
+
+from .harness import recorder, running, settings_for, simulator_server
+
+# web_0 and web_3: one implicit scale set "web", zone 1, the same placement group.
+
+
+async def test_switching_all_events_off_and_on_again_loses_no_event(tmp_path: Path) -> None:
+    unique = uuid.uuid4().hex[:8]
+    broker, channels = f"memory://scope-{unique}", ChannelNames().suffixed(unique)
+    state = tmp_path / "state"
+    async with simulator_server("web_0", "web_3") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+
+        def settings(all_events: bool) -> Any:
+            return settings_for(
+                server, "web_0", broker, channels, state, all_events=all_events, poll_interval=0.2
+            )
+
+        first = sim.add_event(
+            EventSpec(event_type=EventType.REBOOT, resources=("web_3",), not_before_seconds=900)
+        )
+        async with running(settings(True)):
+            await rec.wait_for(lambda ms: any(m.subject == first.event_id for m in ms))
+        async with running(settings(False)):
+            second = sim.add_event(
+                EventSpec(event_type=EventType.REBOOT, resources=("web_3",), not_before_seconds=900)
+            )
+            own = sim.add_event(
+                EventSpec(event_type=EventType.FREEZE, resources=("web_0",), not_before_seconds=900)
+            )
+            await rec.wait_for(lambda ms: any(m.subject == own.event_id for m in ms))
+        assert not [m for m in rec.transitions() if m.subject == second.event_id]
+        async with running(settings(True)):
+            await rec.wait_for(lambda ms: any(m.subject == second.event_id for m in ms))
+    announced = {(m.kind, m.subject) for m in rec.transitions()}
+    assert announced == {
+        (MessageType.SCHEDULED, first.event_id),
+        (MessageType.SCHEDULED, own.event_id),
+        (MessageType.SCHEDULED, second.event_id),
+    }
