@@ -1,0 +1,118 @@
+"""Who is asking: a session from the sign-in form (users file or shared token), or the name a
+trusted OIDC proxy put in a header.
+
+Three ways in, any of which may be configured:
+
+- ``--users FILE``: names, roles and PBKDF2 hashes (:mod:`._users`); the sign-in form checks
+  them. Each operator signs as themselves: the audit names them.
+- ``--token``/``--token-file``: one shared operator secret. The form asks for a name too, but
+  a shared secret cannot vouch for it: the audit records ``NAME (shared token)``.
+- ``--trust-proxy-header X-Forwarded-User``: an OIDC reverse proxy (oauth2-proxy) signs people
+  in and passes the name in that header; the console then listens on loopback only, since
+  anybody who could reach it directly could write the header. The role comes from the users
+  file (a ``-`` hash: no password), else ``viewer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from dataclasses import dataclass
+
+from ._sessions import Session, SessionCodec, Throttle
+from ._users import Role, UsersFile
+
+__all__ = ["Authenticator"]
+
+
+@dataclass(frozen=True, slots=True)
+class Current:
+    """The session of a request, and the cookie to set when one was made for it."""
+
+    session: Session | None
+    set_cookie: str | None = None
+
+
+class Authenticator:
+    """Checks sign-ins and sessions (see the module docstring)."""
+
+    def __init__(
+        self,
+        codec: SessionCodec,
+        *,
+        users: UsersFile | None = None,
+        token: str | None = None,
+        proxy_header: str | None = None,
+        throttle: Throttle | None = None,
+    ) -> None:
+        self.codec = codec
+        self.users = users
+        self.token = token
+        self.proxy_header = proxy_header.lower() if proxy_header else None
+        self.throttle = throttle or Throttle()
+
+    @property
+    def by_proxy(self) -> bool:
+        return self.proxy_header is not None
+
+    @property
+    def accepts_token(self) -> bool:
+        return self.token is not None
+
+    async def sign_in(self, name: str, secret: str) -> tuple[Session, str] | None:
+        """A new session and its cookie value when ``secret`` is the user's password (or the
+        shared token)."""
+        name = name.strip()
+        if not name or not secret or len(name) > 200 or len(secret) > 1024:
+            return None
+        if self.users is not None:
+            user = await asyncio.to_thread(self.users.check, name, secret)
+            if user is not None:
+                return self.codec.issue(user.name, user.role, "password")
+        if self.token is not None and hmac.compare_digest(secret.encode(), self.token.encode()):
+            return self.codec.issue(name, Role.OPERATOR, "token")
+        return None
+
+    def current(self, cookie: str | None, proxy_user: str | None) -> Current:
+        """The request's session, checked against what is configured now (a user removed from
+        the users file is signed out; a role changed there applies at once)."""
+        session = self.codec.read(cookie)
+        if self.by_proxy:
+            who = (proxy_user or "").strip()
+            if not who or len(who) > 200:
+                return Current(None)
+            role = self._role_of(who)
+            if session is not None and session.via == "proxy" and session.user == who:
+                return Current(_with_role(session, role))
+            fresh, value = self.codec.issue(who, role, "proxy")
+            return Current(fresh, value)
+        if session is None:
+            return Current(None)
+        if session.via == "password":
+            user = None if self.users is None else self.users.get(session.user)
+            if user is None:
+                return Current(None)
+            return Current(_with_role(session, user.role))
+        if session.via == "token" and self.token is not None:
+            return Current(session)
+        return Current(None)
+
+    def _role_of(self, name: str) -> Role:
+        user = None if self.users is None else self.users.get(name)
+        return Role.VIEWER if user is None else user.role
+
+    def sign_out(self, session: Session) -> None:
+        self.codec.revoke(session)
+
+
+def _with_role(session: Session, role: Role) -> Session:
+    if session.role is role:
+        return session
+    return Session(
+        user=session.user,
+        role=role,
+        via=session.via,
+        csrf=session.csrf,
+        nonce=session.nonce,
+        expires=session.expires,
+    )

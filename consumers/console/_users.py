@@ -1,0 +1,225 @@
+"""Who may sign in to the console, and with which role: the users file.
+
+One user a line, ``NAME:ROLE:HASH``; blank lines and lines starting with ``#`` are ignored::
+
+    # scheduled-events console users
+    alice:operator:pbkdf2_sha256$600000$q8Xo3vJ0aN1dTqZ2WmRk9A$3Qk...=
+    bob:viewer:pbkdf2_sha256$600000$...$...
+    carol@example.com:operator:-
+
+``ROLE`` is ``operator`` (may approve, hold and release) or ``viewer`` (reads only). ``HASH`` is
+PBKDF2-HMAC-SHA256 in Django's format, ``pbkdf2_sha256$ITERATIONS$SALT$BASE64(32-byte key)``
+(the salt is taken as its ASCII bytes), so any tool that writes Django password hashes writes
+these; ``-`` means no password: the user signs in only through a trusted proxy
+(``--trust-proxy-header``), and the line gives that user's role. ``scheduled-events
+console-user FILE NAME --role ROLE`` adds or replaces a line. Passwords are compared in
+constant time, and an unknown name costs the same work as a wrong password.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from schemas import ConfigError
+
+__all__ = [
+    "DEFAULT_ITERATIONS",
+    "Role",
+    "User",
+    "UsersFile",
+    "hash_password",
+    "verify_password",
+    "write_user",
+]
+
+#: OWASP's 2023 figure for PBKDF2-HMAC-SHA256 (about 0.3 s on one core here).
+DEFAULT_ITERATIONS = 600_000
+_ALGORITHM = "pbkdf2_sha256"
+NO_PASSWORD = "-"
+
+
+class Role(StrEnum):
+    """What a signed-in person may do."""
+
+    OPERATOR = "operator"
+    VIEWER = "viewer"
+
+    @property
+    def may_act(self) -> bool:
+        return self is Role.OPERATOR
+
+
+@dataclass(frozen=True, slots=True)
+class User:
+    name: str
+    role: Role
+    #: The stored hash, or ``-`` (proxy sign-in only).
+    password_hash: str
+
+
+def hash_password(password: str, *, iterations: int = DEFAULT_ITERATIONS) -> str:
+    """``pbkdf2_sha256$ITERATIONS$SALT$HASH`` for ``password``, with a new random salt."""
+    if iterations < 1:
+        raise ValueError("iterations must be positive")
+    salt = secrets.token_urlsafe(16)
+    key = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations)
+    return f"{_ALGORITHM}${iterations}${salt}${base64.b64encode(key).decode()}"
+
+
+def _parse_hash(stored: str) -> tuple[int, str, bytes] | None:
+    parts = stored.split("$")
+    if len(parts) != 4 or parts[0] != _ALGORITHM:
+        return None
+    try:
+        iterations = int(parts[1])
+        key = base64.b64decode(parts[3], validate=True)
+    except ValueError:
+        return None
+    if iterations < 1 or not parts[2] or len(key) < 16:
+        return None
+    return iterations, parts[2], key
+
+
+def verify_password(password: str, stored: str, *, dummy_iterations: int = 0) -> bool:
+    """Whether ``password`` matches ``stored`` (constant-time compare of the derived keys).
+    A ``stored`` that is no hash (``-``, an unknown user) does ``dummy_iterations`` rounds of
+    the same work first, so a wrong name takes as long as a wrong password."""
+    parsed = _parse_hash(stored)
+    if parsed is None:
+        if dummy_iterations > 0:
+            hashlib.pbkdf2_hmac("sha256", password.encode(), b"dummy-salt", dummy_iterations)
+        return False
+    iterations, salt, expected = parsed
+    derived = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations)
+    return hmac.compare_digest(derived, expected)
+
+
+def _check_name(name: str) -> str:
+    if not name or len(name) > 200 or any(c in name for c in ":\r\n\t") or name != name.strip():
+        raise ConfigError(
+            f"user name {name!r}: 1 to 200 characters, no colon, tab, line break or "
+            "leading/trailing space"
+        )
+    return name
+
+
+def _parse_line(path: Path, number: int, line: str) -> User:
+    name, sep, rest = line.partition(":")
+    role_text, sep2, password_hash = rest.partition(":")
+    if not sep or not sep2:
+        raise ConfigError(f"{path}:{number}: expected NAME:ROLE:HASH")
+    try:
+        role = Role(role_text)
+    except ValueError:
+        raise ConfigError(
+            f"{path}:{number}: role {role_text!r} is not operator or viewer"
+        ) from None
+    if password_hash != NO_PASSWORD and _parse_hash(password_hash) is None:
+        raise ConfigError(
+            f"{path}:{number}: the hash of {name!r} is not pbkdf2_sha256$ITERATIONS$SALT$HASH "
+            "(write it with `scheduled-events console-user`)"
+        )
+    return User(_check_name(name), role, password_hash)
+
+
+def _read(path: Path) -> dict[str, User]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the users file {path}: {exc.strerror}") from exc
+    users: dict[str, User] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        user = _parse_line(path, number, line)
+        users[user.name.casefold()] = user
+    return users
+
+
+class UsersFile:
+    """The users file, read again whenever it changes on disk (a role taken away applies to
+    sessions already open, at their next request)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._users: dict[str, User] = {}
+        self._typical_iterations = DEFAULT_ITERATIONS
+        self.reload()
+
+    def reload(self) -> None:
+        try:
+            stat = self.path.stat()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the users file {self.path}: {exc.strerror}") from exc
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp != self._stamp:
+            self._users = _read(self.path)
+            self._stamp = stamp
+            counts = [p[0] for u in self._users.values() if (p := _parse_hash(u.password_hash))]
+            self._typical_iterations = max(counts, default=DEFAULT_ITERATIONS)
+
+    def get(self, name: str) -> User | None:
+        with contextlib.suppress(ConfigError):  # a half-written file: keep what was read
+            self.reload()
+        return self._users.get(name.casefold())
+
+    def __len__(self) -> int:
+        return len(self._users)
+
+    def check(self, name: str, password: str) -> User | None:
+        """The user when ``password`` is theirs (a ``-`` user never matches)."""
+        user = self.get(name)
+        stored = user.password_hash if user is not None else NO_PASSWORD
+        matched = verify_password(password, stored, dummy_iterations=self._typical_iterations)
+        return user if matched else None
+
+
+def write_user(
+    path: Path,
+    name: str,
+    role: Role,
+    password: str | None,
+    *,
+    iterations: int = DEFAULT_ITERATIONS,
+) -> bool:
+    """Add or replace ``name`` in the users file (created mode 0600 when absent), written
+    atomically; ``password`` None writes ``-`` (proxy sign-in only). True when it replaced."""
+    _check_name(name)
+    lines: list[str] = []
+    replaced = False
+    if path.exists():
+        _read(path)  # refuse to rewrite a file we cannot read as a users file
+        for raw in path.read_text().splitlines():
+            existing = raw.strip()
+            is_user = existing and not existing.startswith("#")
+            if is_user and existing.partition(":")[0].casefold() == name.casefold():
+                replaced = True
+                continue
+            lines.append(raw)
+    else:
+        lines.append("# scheduled-events console users: NAME:ROLE:HASH (see console-user --help)")
+    stored = NO_PASSWORD if password is None else hash_password(password, iterations=iterations)
+    lines.append(f"{name}:{role.value}:{stored}")
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write("\n".join(lines) + "\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return replaced

@@ -1,0 +1,135 @@
+"""The users file (PBKDF2 hashes in Django's format), sessions (signed cookies) and the brake
+on guessing passwords."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import time
+
+import pytest
+
+from consumers.__main__ import main
+from consumers.console._sessions import SessionCodec, Throttle, load_session_key
+from consumers.console._users import Role, UsersFile, hash_password, verify_password, write_user
+from schemas import ConfigError
+
+
+def test_the_hash_is_django_pbkdf2_sha256_and_verifies_in_constant_time():
+    stored = hash_password("correct horse", iterations=1000)
+    algorithm, iterations, salt, digest = stored.split("$")
+    assert (algorithm, iterations) == ("pbkdf2_sha256", "1000")
+    expected = hashlib.pbkdf2_hmac("sha256", b"correct horse", salt.encode(), 1000)
+    assert base64.b64decode(digest) == expected
+    assert verify_password("correct horse", stored)
+    assert not verify_password("correct horsE", stored)
+    assert not verify_password("x", "-")
+    assert not verify_password("x", "md5$1$a$b")
+    assert hash_password("same", iterations=1000) != hash_password("same", iterations=1000)
+
+
+def test_the_users_file_roles_and_proxy_only_users(tmp_path):
+    path = tmp_path / "users"
+    assert write_user(path, "alice", Role.OPERATOR, "alice-password", iterations=1000) is False
+    write_user(path, "bob", Role.VIEWER, "bob-password", iterations=1000)
+    write_user(path, "carol@example.com", Role.OPERATOR, None)
+    assert path.stat().st_mode & 0o777 == 0o600
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("#")
+    assert lines[3] == "carol@example.com:operator:-"
+    users = UsersFile(path)
+    assert len(users) == 3
+    alice = users.check("ALICE", "alice-password")  # names are case-insensitive
+    assert alice is not None
+    assert alice.role is Role.OPERATOR
+    assert users.check("alice", "bob-password") is None
+    assert users.check("nobody", "alice-password") is None
+    assert users.check("carol@example.com", "") is None  # no password: proxy only
+    carol = users.get("carol@example.com")
+    assert carol is not None
+    assert carol.role is Role.OPERATOR
+    # Replaced in place; the file is read again when it changes.
+    assert write_user(path, "alice", Role.VIEWER, "new-password", iterations=1000) is True
+    changed = users.check("alice", "new-password")
+    assert changed is not None
+    assert changed.role is Role.VIEWER
+    assert users.check("alice", "alice-password") is None
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ("alice", "expected NAME:ROLE:HASH"),
+        ("alice:admin:-", "is not operator or viewer"),
+        ("alice:viewer:plain-text-password", "is not pbkdf2_sha256"),
+    ],
+)
+def test_a_bad_users_file_says_which_line(tmp_path, line, said):
+    path = tmp_path / "users"
+    path.write_text(f"# users\n{line}\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: .*{said}"):
+        UsersFile(path)
+
+
+def test_console_user_reads_the_password_from_stdin(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "users"
+    monkeypatch.setattr("sys.stdin", io.StringIO("s3cret-enough\n"))
+    argv = ["console-user", str(path), "alice", "--role", "operator", "--iterations", "1000"]
+    assert main(argv) == 0
+    assert "added alice (operator, password set)" in capsys.readouterr().out
+    assert UsersFile(path).check("alice", "s3cret-enough") is not None
+    monkeypatch.setattr("sys.stdin", io.StringIO("short\n"))
+    assert main(["console-user", str(path), "bob"]) == 2
+    assert "at least 8 characters" in capsys.readouterr().err
+    assert main(["console-user", str(path), "dan:x", "--no-password"]) == 2
+    assert "no colon" in capsys.readouterr().err
+    assert main(["console-user", str(path), "carol", "--no-password"]) == 0
+    carol = UsersFile(path).get("carol")
+    assert carol is not None
+    assert carol.role is Role.VIEWER
+
+
+def test_a_session_cookie_is_signed_and_expires():
+    codec = SessionCodec(b"a" * 32, lifetime=60)
+    session, cookie = codec.issue("alice", Role.OPERATOR, "password")
+    assert codec.read(cookie) == session
+    version, payload, mac = cookie.split(".")
+    forged_payload = payload[:-2] + ("AA" if payload[-2:] != "AA" else "BB")
+    assert codec.read(f"{version}.{forged_payload}.{mac}") is None
+    assert codec.read(cookie + "x") is None
+    assert codec.read("v1.e30.AAAA") is None
+    assert SessionCodec(b"b" * 32).read(cookie) is None  # another key
+    codec.revoke(session)
+    assert codec.read(cookie) is None
+    expired = SessionCodec(b"a" * 32, lifetime=-1)
+    assert expired.read(expired.issue("alice", Role.OPERATOR, "password")[1]) is None
+    assert session.operator_name == "alice"
+    shared, _ = codec.issue("bob", Role.OPERATOR, "token")
+    assert shared.operator_name == "bob (shared token)"
+
+
+def test_the_session_key_file(tmp_path):
+    assert len(load_session_key(None)) == 32
+    short = tmp_path / "short"
+    short.write_text("tiny")
+    with pytest.raises(ConfigError, match="too short"):
+        load_session_key(short)
+    good = tmp_path / "key"
+    good.write_text("x" * 44 + "\n")
+    assert load_session_key(good) == b"x" * 44
+
+
+def test_the_throttle_brakes_after_repeated_failures():
+    throttle = Throttle(limit=3, window=0.3)
+    for _ in range(3):
+        assert throttle.retry_after("ip:1", "name:alice") == 0
+        throttle.failed("ip:1", "name:alice")
+    assert throttle.retry_after("ip:1") > 0
+    assert throttle.retry_after("name:alice") > 0
+    assert throttle.retry_after("ip:2", "name:bob") == 0
+    time.sleep(0.35)
+    assert throttle.retry_after("ip:1", "name:alice") == 0
+    throttle.failed("ip:1")
+    throttle.succeeded("ip:1")
+    assert throttle.retry_after("ip:1") == 0

@@ -1,0 +1,578 @@
+"""The console over HTTP (a real socket, httpx as the client): sign-in, sessions, CSRF, roles,
+the actions and their audit, the history, and the live feed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+
+from consumers._approver_state import ApproverState
+from consumers._audit import Ledger
+from consumers._db import open_database
+from consumers._schema import ensure_schema
+from consumers._timeline import entry_line
+from consumers.console._auth import Authenticator
+from consumers.console._feed import Feed
+from consumers.console._live import LatestDecision, LiveFleet
+from consumers.console._server import console_running
+from consumers.console._sessions import SessionCodec
+from consumers.console._users import Role, UsersFile, write_user
+from schemas import Approval, event_version, load_public_keys, load_signing_key
+from schemas.approvals import verify, write_key_pair
+from schemas.transport import MemoryBroker, open_transport
+from schemas.wire import lifecycle_message
+from tests.consumers._factory import event, heartbeat, hook, transition, vm
+
+from ._stack import PASSWORDS, write_users
+
+NOW = datetime.now(UTC).replace(microsecond=0)
+
+
+class Console:
+    def __init__(self, service, server, transport, db, tmp_path):
+        self.service = service
+        self.server = server
+        self.transport = transport
+        self.db = db
+        self.tmp_path = tmp_path
+        self.url = server.url
+
+    async def publish(self, *messages):
+        for message in messages:
+            await self.transport.publish(lifecycle_message(message))
+
+    async def known(self, event_id, within=3.0):
+        deadline = time.monotonic() + within
+        while self.service.live.fleet.event(event_id) is None:
+            assert time.monotonic() < deadline, f"the console never saw {event_id}"
+            await asyncio.sleep(0.02)
+        return self.service.live.fleet.event(event_id)
+
+    def client(self, **kwargs) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=10, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def console(tmp_path: Path, *, signing_key=True, token=None, proxy=None, users=True):
+    _, _public = write_key_pair(tmp_path / "keys")
+    key = load_signing_key(tmp_path / "keys" / "approver.key") if signing_key else None
+    users_file = UsersFile(write_users(tmp_path / "users")) if users else None
+    auth = Authenticator(SessionCodec(b"s" * 32), users=users_file, token=token, proxy_header=proxy)
+    name = f"http-{uuid.uuid4().hex[:8]}"
+    try:
+        async with (
+            open_transport(f"memory://{name}") as transport,
+            open_database(str(tmp_path / "central.db")) as db,
+        ):
+            await ensure_schema(db)
+            async with console_running(transport, db, auth, signing_key=key) as running:
+                yield Console(*running, transport, db, tmp_path)
+    finally:
+        MemoryBroker.discard(name)
+
+
+def _form_token(html: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert found is not None, html
+    return found.group(1)
+
+
+async def sign_in(client: httpx.AsyncClient, name: str, password: str | None = None):
+    page = await client.get("/login")
+    token = _form_token(page.text)
+    return await client.post(
+        "/login",
+        data={"name": name, "password": password or PASSWORDS[name], "csrf": token},
+        headers={"Origin": str(client.base_url).rstrip("/")},
+    )
+
+
+async def signed_in(client: httpx.AsyncClient, name: str) -> str:
+    """Signs in; returns the CSRF token."""
+    response = await sign_in(client, name)
+    assert response.status_code == 303, response.text
+    return (await client.get("/api/me")).json()["csrf"]
+
+
+def scheduled(event_id: str, vm_name: str = "web-1", **kwargs):
+    identity = vm(vm_name, scale_set="web", zone="1")
+    ev = event(event_id, resources=(vm_name,), not_before=NOW + timedelta(minutes=15), **kwargs)
+    return ev, identity, transition("scheduled", ev, identity, at=NOW)
+
+
+async def test_an_anonymous_client_gets_the_sign_in_page_and_nothing_else(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        _ev, identity, message = scheduled("EVT-ANON")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-ANON")
+        page = await client.get("/", headers={"Accept": "text/html"})
+        assert (page.status_code, page.headers["location"]) == (303, "/login")
+        for path in (
+            "/api/me",
+            "/api/stream",
+            "/static/console.js",
+            "/static/console.css",
+            "/api/history?vm=web-1",
+            "/api/events/EVT-ANON/timeline",
+            "/nothing",
+        ):
+            response = await client.get(path)
+            assert response.status_code == 401, path
+            assert "EVT-ANON" not in response.text
+        refused = await client.post("/api/events/EVT-ANON/hold", json={"reason": "x"})
+        assert refused.status_code == 401
+        login = await client.get("/login")
+        assert login.status_code == 200
+        assert 'name="password"' in login.text
+        assert "EVT-ANON" not in login.text
+        assert "script-src 'self'" in login.headers["content-security-policy"]
+        assert login.headers["x-frame-options"] == "DENY"
+        cookie = login.headers["set-cookie"]
+        assert "HttpOnly" in cookie
+        assert "SameSite=Strict" in cookie
+        assert "Secure" not in cookie
+
+
+async def test_sign_in_sets_a_strict_session_cookie_and_logs_it(tmp_path, caplog):
+    caplog.set_level("INFO", logger="consumers.console")
+    async with console(tmp_path) as c, c.client() as client:
+        wrong = await sign_in(client, "alice", "not-her-password")
+        assert wrong.status_code == 401
+        assert "Wrong name or password." in wrong.text
+        response = await sign_in(client, "alice")
+        assert (response.status_code, response.headers["location"]) == (303, "/")
+        cookie = next(v for k, v in response.headers.multi_items() if k == "set-cookie")
+        assert cookie.startswith("se_console=v1.")
+        for attribute in ("HttpOnly", "SameSite=Strict", "Path=/"):
+            assert attribute in cookie
+        me = (await client.get("/api/me")).json()
+        assert (me["user"], me["role"], me["may_act"], me["can_approve"]) == (
+            "alice",
+            "operator",
+            True,
+            True,
+        )
+        page = await client.get("/")
+        assert page.status_code == 200
+        assert "/static/console.js" in page.text
+        assert (await client.get("/static/console.js")).status_code == 200
+    logs = caplog.text
+    assert "sign-in refused: 'alice'" in logs
+    assert "sign-in: alice (operator, by password)" in logs
+
+
+async def test_the_sign_in_form_is_csrf_safe_and_throttled(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        # A form posted from elsewhere carries neither this site's Origin nor its form cookie.
+        foreign = await client.post(
+            "/login",
+            data={"name": "alice", "password": PASSWORDS["alice"], "csrf": "guess"},
+            headers={"Origin": "https://evil.example"},
+        )
+        assert foreign.status_code == 403
+        no_cookie = await client.post(
+            "/login", data={"name": "alice", "password": PASSWORDS["alice"], "csrf": "guess"}
+        )
+        assert no_cookie.status_code == 400
+        cookies = [v.split("=")[0] for k, v in no_cookie.headers.multi_items() if k == "set-cookie"]
+        assert "se_console" not in cookies  # no session
+        for _ in range(5):
+            assert (await sign_in(client, "victor", "wrong-password")).status_code == 401
+        braked = await sign_in(client, "victor")
+        assert braked.status_code == 429
+        assert "Too many failed sign-ins" in braked.text
+
+
+async def test_every_change_needs_the_session_csrf_token_and_this_origin(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        _ev, identity, message = scheduled("EVT-CSRF")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-CSRF")
+        csrf = await signed_in(client, "alice")
+        path = "/api/events/EVT-CSRF/hold"
+        no_token = await client.post(path, json={"reason": "x"})
+        assert no_token.status_code == 403
+        assert "CSRF" in no_token.json()["error"]
+        wrong = await client.post(path, json={"reason": "x"}, headers={"X-CSRF-Token": "nope"})
+        assert wrong.status_code == 403
+        other_site = await client.post(
+            path,
+            json={"reason": "x"},
+            headers={"X-CSRF-Token": csrf, "Origin": "https://evil.example"},
+        )
+        assert other_site.status_code == 403
+        as_form = await client.post(path, data={"reason": "x"}, headers={"X-CSRF-Token": csrf})
+        assert as_form.status_code == 415
+        assert await ApproverState(c.db, "approver").holds() == {}
+        ok = await client.post(
+            path, json={"reason": "x"}, headers={"X-CSRF-Token": csrf, "Origin": c.url}
+        )
+        assert ok.status_code == 200, ok.text
+        # Signed out: the same cookie no longer works.
+        assert (await client.post("/logout", headers={"X-CSRF-Token": csrf})).status_code == 200
+        assert (await client.get("/api/me")).status_code == 401
+
+
+async def test_approve_signs_for_the_version_on_screen_and_records_the_operator(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        ev, identity, message = scheduled("EVT-APPROVE")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-APPROVE")
+        csrf = await signed_in(client, "alice")
+        headers = {"X-CSRF-Token": csrf}
+        path = "/api/events/EVT-APPROVE/approve"
+        version = event_version(ev)
+        stale = await client.post(path, json={"version": "0" * 32}, headers=headers)
+        assert stale.status_code == 409
+        assert stale.json()["error"].startswith("the event changed: look again")
+        unknown = await client.post(
+            "/api/events/EVT-NONE/approve", json={"version": version}, headers=headers
+        )
+        assert unknown.status_code == 404
+        async with c.transport.approvals("web-1") as inbox:
+            ok = await client.post(
+                path, json={"version": version, "reason": "patched"}, headers=headers
+            )
+            assert ok.status_code == 200, ok.text
+            assert ok.json()["target"] == "web-1"
+            async with asyncio.timeout(3):
+                delivery = await anext(aiter(inbox))
+            approval = Approval.from_bytes(delivery.body)
+            await delivery.ack()
+        trusted = load_public_keys([tmp_path / "keys" / "approver.pub"])
+        verify(approval, trusted, vm_name="web-1")
+        assert (approval.event_id, approval.event_version) == ("EVT-APPROVE", version)
+        assert approval.decided_by == "alice"
+        assert approval.reason == "patched"
+        decisions = [e for e in await Ledger(c.db).history(event_id="EVT-APPROVE")]
+        assert [e.kind for e in decisions] == ["decision.approve"]
+        body = decisions[0].body
+        assert body["decided_by"] == "alice"
+        assert body["policy"] == "console"
+        assert body["approval_id"] == approval.approval_id
+        assert body["event_version"] == version
+        # The page's row shows the approval as sent.
+        row = c.service.live.event_row(c.service.live.fleet.event("EVT-APPROVE"))
+        assert row["approval"]["outcome"] == "sent"
+        assert row["approval"]["by"] in ("", "alice")
+        # A started event cannot be approved.
+        started = event("EVT-APPROVE", status="Started", resources=("web-1",))
+        await c.publish(transition("started", started, identity, at=NOW + timedelta(seconds=5)))
+        deadline = time.monotonic() + 3
+        while c.service.live.fleet.event("EVT-APPROVE").event.event_status != "Started":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        late = await client.post(path, json={"version": event_version(started)}, headers=headers)
+        assert late.status_code == 409
+        assert "only a Scheduled event" in late.json()["error"]
+
+
+async def test_a_console_without_a_key_cannot_approve(tmp_path):
+    async with console(tmp_path, signing_key=False) as c, c.client() as client:
+        ev, identity, message = scheduled("EVT-NOKEY")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-NOKEY")
+        csrf = await signed_in(client, "alice")
+        assert (await client.get("/api/me")).json()["can_approve"] is False
+        response = await client.post(
+            "/api/events/EVT-NOKEY/approve",
+            json={"version": event_version(ev)},
+            headers={"X-CSRF-Token": csrf},
+        )
+        assert response.status_code == 503
+        assert "no signing key" in response.json()["error"]
+
+
+async def test_hold_and_release_go_to_the_approver_and_the_audit(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        _ev, identity, message = scheduled("EVT-HOLD")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-HOLD")
+        csrf = await signed_in(client, "alice")
+        headers = {"X-CSRF-Token": csrf}
+        held = await client.post(
+            "/api/events/EVT-HOLD/hold", json={"reason": "db migration"}, headers=headers
+        )
+        assert held.status_code == 200, held.text
+        holds = await ApproverState(c.db, "approver").holds()
+        assert (holds["EVT-HOLD"].held_by, holds["EVT-HOLD"].reason) == ("alice", "db migration")
+        row = c.service.live.event_row(c.service.live.fleet.event("EVT-HOLD"))
+        assert row["hold"]["by"] == "alice"
+        released = await client.post(
+            "/api/events/EVT-HOLD/release", json={"reason": "done"}, headers=headers
+        )
+        assert released.status_code == 200
+        assert await ApproverState(c.db, "approver").holds() == {}
+        again = await client.post("/api/events/EVT-HOLD/release", json={}, headers=headers)
+        assert again.status_code == 409
+        bogus = await client.post("/api/events/EVT-HOLD/delete", json={}, headers=headers)
+        assert bogus.status_code == 404
+        timeline = (await client.get("/api/events/EVT-HOLD/timeline")).json()
+        entries = await Ledger(c.db).history(event_id="EVT-HOLD")
+        assert timeline["lines"] == [entry_line(e) for e in entries]
+        assert [e.kind for e in entries] == ["decision.hold", "decision.release"]
+        assert "alice" in timeline["lines"][0]
+        assert "db migration [console]" in timeline["lines"][0]
+
+
+async def test_a_viewer_reads_but_cannot_act(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        ev, identity, message = scheduled("EVT-VIEW")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-VIEW")
+        csrf = await signed_in(client, "victor")
+        me = (await client.get("/api/me")).json()
+        assert (me["role"], me["may_act"], me["can_approve"]) == ("viewer", False, False)
+        for action, body in (
+            ("approve", {"version": event_version(ev)}),
+            ("hold", {}),
+            ("release", {}),
+        ):
+            response = await client.post(
+                f"/api/events/EVT-VIEW/{action}", json=body, headers={"X-CSRF-Token": csrf}
+            )
+            assert response.status_code == 403, action
+        assert (await client.get("/api/events/EVT-VIEW/timeline")).status_code == 200
+        assert await Ledger(c.db).history(event_id="EVT-VIEW") == []
+
+
+async def test_a_role_taken_away_in_the_users_file_applies_at_once(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        csrf = await signed_in(client, "alice")
+        write_user(tmp_path / "users", "alice", Role.VIEWER, "alice-password", iterations=1000)
+        assert (await client.get("/api/me")).json()["role"] == "viewer"
+        response = await client.post("/api/events/X/hold", json={}, headers={"X-CSRF-Token": csrf})
+        assert response.status_code == 403
+        lines = (tmp_path / "users").read_text().splitlines()
+        (tmp_path / "users").write_text(
+            "\n".join(line for line in lines if not line.startswith("alice:")) + "\n"
+        )
+        assert (await client.get("/api/me")).status_code == 401
+
+
+async def test_a_shared_token_records_the_name_given_with_it(tmp_path):
+    async with (
+        console(tmp_path, token="a-long-shared-token", users=False) as c,
+        c.client() as client,
+    ):
+        assert (await sign_in(client, "ops-bob", "wrong")).status_code == 401
+        assert (await sign_in(client, "ops-bob", "a-long-shared-token")).status_code == 303
+        me = (await client.get("/api/me")).json()
+        assert (me["operator_name"], me["role"]) == ("ops-bob (shared token)", "operator")
+
+
+async def test_behind_an_oidc_proxy_the_header_names_the_user(tmp_path):
+    write_users(tmp_path / "users")
+    write_user(tmp_path / "users", "carol@example.com", Role.OPERATOR, None)
+    async with console(tmp_path, proxy="X-Forwarded-User") as c, c.client() as client:
+        assert (await client.get("/api/me")).status_code == 401
+        login = await client.get("/login")
+        assert login.status_code == 401  # the proxy signs people in, not a form
+        headers = {"X-Forwarded-User": "carol@example.com"}
+        me = await client.get("/api/me", headers=headers)
+        assert (me.json()["user"], me.json()["role"], me.json()["via"]) == (
+            "carol@example.com",
+            "operator",
+            "proxy",
+        )
+        assert "se_console=" in me.headers["set-cookie"]
+        csrf = me.json()["csrf"]
+        # The session made for carol follows the header: another name is another session.
+        dave = await client.get("/api/me", headers={"X-Forwarded-User": "dave@example.com"})
+        assert (dave.json()["user"], dave.json()["role"]) == ("dave@example.com", "viewer")
+        # Changes still need the CSRF token of the header's user's session.
+        client.cookies.clear()
+        first = await client.get("/api/me", headers=headers)
+        csrf = first.json()["csrf"]
+        no_token = await client.post("/api/events/X/hold", json={}, headers=headers)
+        assert no_token.status_code == 403
+        with_token = await client.post(
+            "/api/events/X/hold", json={}, headers=headers | {"X-CSRF-Token": csrf}
+        )
+        assert with_token.status_code == 404  # authenticated and allowed; no such event
+
+
+async def test_over_https_the_cookie_is_secure(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        page = await client.get("/login", headers={"X-Forwarded-Proto": "https"})
+        token = _form_token(page.text)
+        form_cookie = page.headers["set-cookie"]
+        assert "Secure" in form_cookie
+        # httpx keeps Secure cookies for https: the browser behind the proxy would send it.
+        response = await client.post(
+            "/login",
+            data={"name": "alice", "password": PASSWORDS["alice"], "csrf": token},
+            headers={
+                "X-Forwarded-Proto": "https",
+                "Origin": c.url.replace("http:", "https:"),
+                "Cookie": form_cookie.split(";")[0],
+            },
+        )
+        assert response.status_code == 303, response.text
+        cookie = next(v for k, v in response.headers.multi_items() if k == "set-cookie")
+        assert cookie.startswith("__Host-se_console=")
+        assert "Secure" in cookie
+        assert response.headers["strict-transport-security"].startswith("max-age=")
+
+
+async def test_history_searches_by_event_vm_type_and_time(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        ledger = Ledger(c.db)
+        for n, (vm_name, kind) in enumerate((("web-1", "Reboot"), ("web-2", "Freeze"))):
+            ev, identity, message = scheduled(f"EVT-H{n}", vm_name, event_type=kind)
+            await ledger.append(message)
+            await ledger.append(hook(identity, ev, at=NOW + timedelta(seconds=1)))
+            await ledger.append_decision(
+                f"EVT-H{n}",
+                "wait",
+                "NotBefore applies",
+                decided_by="approver",
+                policy="default",
+                event_type=kind,
+                at=NOW + timedelta(seconds=2),
+            )
+        await signed_in(client, "victor")
+
+        async def search(**params):
+            response = await client.get("/api/history", params=params)
+            assert response.status_code == 200, response.text
+            return response.json()["entries"]
+
+        by_vm = await search(vm="web-2")
+        assert {e["event_id"] for e in by_vm} == {"EVT-H1"}
+        assert [e["line"] for e in by_vm] == [
+            entry_line(e) for e in await ledger.search(vm="web-2")
+        ]
+        assert {e["event_id"] for e in await search(type="Reboot")} == {"EVT-H0"}
+        assert len(await search(event_id="EVT-H0")) == 3
+        since = (NOW + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S")  # the page's UTC
+        assert {e["kind"] for e in await search(since=since)} == {"hook.completed", "decision.wait"}
+        until = (NOW + timedelta(seconds=1)).isoformat()
+        assert {e["kind"] for e in await search(until=until)} == {"scheduled"}
+        assert len(await search(limit="2")) == 2
+        bad = await client.get("/api/history", params={"since": "yesterday"})
+        assert bad.status_code == 400
+
+
+async def read_batches(lines, wanted, within: float):
+    """Batches of the stream until ``wanted(batch)`` says stop; returns them."""
+    seen = []
+    async with asyncio.timeout(within):
+        event_name = None
+        async for line in lines:
+            if line.startswith("event: "):
+                event_name = line[7:]
+            elif line.startswith("data: ") and event_name == "batch":
+                batch = json.loads(line[6:])
+                seen.append(batch)
+                if wanted(batch):
+                    return seen
+    return seen
+
+
+async def test_the_stream_sends_a_snapshot_then_changes_within_a_second(tmp_path):
+    async with console(tmp_path) as c, c.client() as client:
+        _ev, identity, message = scheduled("EVT-LIVE-1")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-LIVE-1")
+        await signed_in(client, "victor")
+        async with client.stream("GET", "/api/stream") as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = response.aiter_lines()
+            snapshot = await read_batches(lines, lambda b: b.get("final"), 3)
+            assert snapshot[0]["reset"] is True
+            assert [e["id"] for e in snapshot[0]["events"]] == ["EVT-LIVE-1"]
+            assert snapshot[0]["agents"][0]["scale_set"] == "web"
+            # A broker message: its row arrives within a second.
+            started = time.monotonic()
+            _, _, second = scheduled("EVT-LIVE-2", "web-2")
+            await c.publish(second)
+            batches = await read_batches(
+                lines, lambda b: any(e["id"] == "EVT-LIVE-2" for e in b["events"]), 3
+            )
+            assert time.monotonic() - started < 1.0
+            assert batches[-1]["reset"] is False
+            assert "EVT-LIVE-2" in [e["id"] for e in batches[-1]["events"]]
+            # The approver's decision (a database row, not a message) shows up too.
+            await Ledger(c.db).append_decision(
+                "EVT-LIVE-1",
+                "wait",
+                "NotBefore applies",
+                decided_by="approver",
+                policy="default",
+                event_type="Reboot",
+            )
+            batches = await read_batches(
+                lines,
+                lambda b: any(e["id"] == "EVT-LIVE-1" and e["decision"] for e in b["events"]),
+                3,
+            )
+            row = next(e for e in batches[-1]["events"] if e["id"] == "EVT-LIVE-1")
+            assert row["decision"]["reason"] == "NotBefore applies"
+
+
+def test_a_burst_is_coalesced_into_one_batch_of_changed_rows():
+    live = LiveFleet()
+    feed = Feed(live, chunk=1000)
+    identity = vm("web-1")
+    for n in range(2500):
+        ev = event(f"EVT-{n}", resources=("web-1",), not_before=NOW + timedelta(minutes=15))
+        live.apply(transition("scheduled", ev, identity, at=NOW))
+        live.apply(transition("updated", ev, identity, at=NOW + timedelta(seconds=1)))
+    changes = live.take_changes()
+    assert changes is not None
+    subscriber_chunks = feed._encode(changes, reset=False)
+    assert len(subscriber_chunks) == 3  # 2,501 rows in chunks of 1,000
+    rows = [json.loads(chunk.split(b"data: ", 1)[1]) for chunk in subscriber_chunks]
+    assert sum(len(r["events"]) for r in rows) == 2500
+    assert sum(len(r["agents"]) for r in rows) == 1
+    assert rows[-1]["final"] is True
+    assert "final" not in rows[0]
+    assert live.take_changes() is None
+
+
+@pytest.mark.parametrize("size", [4])
+async def test_a_page_that_falls_behind_gets_a_snapshot_not_a_backlog(size):
+    live = LiveFleet()
+    feed = Feed(live, queue_size=size)
+    stream = feed.stream(keepalive=0.05)
+    assert (await anext(stream)).startswith(b"retry:")
+    first = await anext(stream)
+    assert b'"reset":true' in first
+    subscriber = next(iter(feed.subscribers))
+    identity = vm("web-1")
+    for n in range(size + 2):  # more batches than the page's queue holds
+        live.apply(transition("scheduled", event(f"E{n}", resources=("web-1",)), identity))
+        feed.flush()
+    assert subscriber.needs_reset
+    again = await anext(stream)
+    assert b'"reset":true' in again
+    assert again.count(b'"id":"E') == size + 2
+    feed.close()
+    with contextlib.suppress(StopAsyncIteration):
+        while True:
+            await anext(stream)
+    assert feed.subscribers == set()
+
+
+def test_a_decision_that_comes_before_its_event_waits_for_it():
+    live = LiveFleet()
+    decision = LatestDecision.from_row(
+        7, NOW, {"action": "wait", "reason": "NotBefore applies", "policy": "default"}
+    )
+    assert live.decided("EVT-EARLY", decision) is False
+    *_, message = scheduled("EVT-EARLY")
+    live.apply(message)
+    state = live.fleet.event("EVT-EARLY")
+    assert state is not None
+    row = live.event_row(state)
+    assert row["decision"]["reason"] == "NotBefore applies"
