@@ -10,7 +10,8 @@
 from ._approvals import ApprovalSender, NoApprovalTarget
 from ._dedupe import DedupeWindow
 from ._filters import MessageFilter
-from ._fleet import AgentState, EventPhase, EventState, FleetView, VmReport
+from ._fleet import AgentState, EventPhase, EventState, FleetView, SentApproval, VmReport
+from ._origin import Origin, Unauthenticated
 from ._policies import (
     Action,
     ApproveShortFreeze,
@@ -24,7 +25,7 @@ from ._policies import (
     load_policy_file,
     parse_policy,
 )
-from ._stream import DeadLetterReason, FleetStream, StreamStats, classify_bad_input
+from ._stream import DeadLetterReason, FleetStream, Rejected, StreamStats, classify_bad_input
 
 __all__ = [
     "Action",
@@ -43,9 +44,13 @@ __all__ = [
     "MessageFilter",
     "NeverApprove",
     "NoApprovalTarget",
+    "Origin",
     "Policy",
     "PolicySet",
+    "Rejected",
+    "SentApproval",
     "StreamStats",
+    "Unauthenticated",
     "Verdict",
     "VmReport",
     "classify_bad_input",

@@ -2,8 +2,9 @@
 
 One approval is enough for an event: Azure starts it for every VM in ``Resources``. So by
 default the target is the first *live* VM in ``Resources`` (its agent will apply it), and the
-reply address is the one that VM put in its own messages. Sending twice is harmless: the agent
-applies the first, and IMDS answers 200 for an event approved already.
+reply address is that VM's own by the transport's convention (never one a message names).
+Sending twice is harmless: the agent applies the first, and IMDS answers 200 for an event
+approved already.
 
 >>> sender = ApprovalSender(transport, load_signing_key(path), fleet=view)  # doctest: +SKIP
 >>> await sender.approve("EVT-1", reason="user-initiated")                # doctest: +SKIP
@@ -50,6 +51,7 @@ class ApprovalSender:
         self.decided_by = decided_by
         self.ttl = ttl
         self.sent: list[Approval] = []
+        self._odd: set[str] = set()
 
     def target(self, event_id: str, *, exclude: frozenset[str] = frozenset()) -> str:
         """The VM to send an approval for ``event_id``: the first live VM in ``Resources``,
@@ -72,42 +74,85 @@ class ApprovalSender:
         )
 
     def reply_address(self, vm: str) -> ReplyAddress:
-        """The address the VM announced; the transport's convention for a VM never heard."""
-        known = None if self.fleet is None else self.fleet.reply_address(vm)
-        return known if known is not None else self.transport.reply_address(vm)
+        """The VM's own address by the transport's convention. What its messages announce
+        (``reply_to``) is only compared: a message is input, and an address taken from it
+        could send the approval to another VM's queue or to a channel this transport does not
+        have (a 1.0 agent's), so a different announcement is logged once and not followed."""
+        own = self.transport.reply_address(vm)
+        announced = None if self.fleet is None else self.fleet.reply_address(vm)
+        if announced is not None and announced != own and vm.casefold() not in self._odd:
+            self._odd.add(vm.casefold())
+            log.warning(
+                "VM %s announces reply address %s, not its own %s: approvals go to %s (an "
+                "agent of another contract version, other channel names, or a forged message)",
+                vm,
+                announced,
+                own,
+                own,
+            )
+        return own
 
-    async def approve(
+    def prepare(
         self,
         event_id: str,
         vm: str | None = None,
         *,
+        event_version: str,
         reason: str = "",
         decided_by: str | None = None,
         exclude: frozenset[str] = frozenset(),
-    ) -> Approval:
-        """Sign and send an approval of ``event_id`` to ``vm`` (default: :meth:`target`).
-        Returns once the broker confirmed it."""
+    ) -> tuple[Approval, ReplyAddress]:
+        """A signed approval of ``event_id`` at ``event_version`` (the version that was judged:
+        the agent applies it only while the live event has it) for ``vm`` (default:
+        :meth:`target`), and where to send it; nothing is sent yet."""
         target = vm or self.target(event_id, exclude=exclude)
         approval = sign(
             new_approval(
                 event_id,
                 target,
                 decided_by=decided_by or self.decided_by,
+                event_version=event_version,
                 reason=reason,
                 ttl=self.ttl,
             ),
             self.signing_key,
         )
-        address = self.reply_address(target)
+        return approval, self.reply_address(target)
+
+    async def send(self, approval: Approval, address: ReplyAddress) -> None:
+        """Send a prepared approval; returns once the broker confirmed it (sending the same
+        approval again is harmless: the agent applies an approval id once)."""
         await self.transport.send_approval(address, approval_message(approval))
         self.sent.append(approval)
         del self.sent[:-1000]
         log.info(
-            "approval %s of event %s sent to %s (%s): %s",
+            "approval %s of event %s (version %s) sent to %s (%s): %s",
             approval.approval_id,
-            event_id,
-            target,
+            approval.event_id,
+            approval.event_version,
+            approval.vm,
             address,
-            reason or "no reason given",
+            approval.reason or "no reason given",
         )
+
+    async def approve(
+        self,
+        event_id: str,
+        vm: str | None = None,
+        *,
+        event_version: str,
+        reason: str = "",
+        decided_by: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Approval:
+        """:meth:`prepare` and :meth:`send`: returns once the broker confirmed it."""
+        approval, address = self.prepare(
+            event_id,
+            vm,
+            event_version=event_version,
+            reason=reason,
+            decided_by=decided_by,
+            exclude=exclude,
+        )
+        await self.send(approval, address)
         return approval

@@ -1,20 +1,42 @@
 """The central approval service: reads the fleet stream as consumer group ``approver``, keeps a
-fleet view, asks the policies about every event still Scheduled, and sends one signed approval
-when they say so. Every decision is recorded with its reason (log, memory, and the audit
-ledger when one is given).
+fleet view, asks the policies about every event still Scheduled, and sends one signed approval,
+bound to the version of the event it judged, when they say so. Every decision (approve, wait,
+never) is recorded with its reason and that version.
 
-It runs as one active consumer of its group (single-active-consumer on RabbitMQ): more
-processes on the same group are hot standbys that take over, in order, when it dies. A message
-is acked only after its decision was made and its approval confirmed by the broker, so a crash
-loses no decision: the message comes back to the next active process.
+It runs as one active consumer of its group (single-active-consumer on RabbitMQ, one session on
+Service Bus): more processes on the same group are hot standbys that take over, in order, when
+it dies. With a database (``--db``), the state a decision depends on is durable
+(:mod:`consumers._approver_state`): the process that takes over rebuilds the same fleet view —
+live events and their phases, approvals sent and their versions, hook results, agent identities,
+who is unavailable — and sends again what it cannot be sure went out. Without one, it says at
+start that a failover forgets.
+
+A message is acked only after its decisions are committed and its approvals confirmed by the
+broker, so a crash loses no decision: the message comes back to the next active process. With a
+database, the messages of one ack batch are committed together (:meth:`ApproverService.commit`,
+which the stream awaits before it acks them): one transaction for up to a batch of messages
+instead of one each, which is what lets the durable approver keep up with a fleet's burst.
+
+Per message, the work does not grow with the number of open events: the message's own event is
+decided again, and, when it changes who is unavailable, only the events a guard holds that the
+change can release (:meth:`FleetView.take_changes`): where a VM became available in a group,
+the events held there, in the order they were first held, until the group has no room left
+(:meth:`PolicySet.room`); where a VM became unavailable, the held events of that VM (it costs
+them no room any more). A VM going down never releases anything else, so nothing else is
+decided again. Over a burst this is a queue per group: a freed slot goes to the longest-held
+event that fits, and an event that needs no room (its VMs are down already) is released by the
+change that put them down, or by the next one that leaves room.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -22,14 +44,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from schemas import (
     ApprovalOutcomeMessage,
     LifecycleMessage,
-    MessageType,
+    PublishNotConfirmed,
     RejectReason,
+    TransportError,
 )
+from schemas.origin import OriginVerifier
 from schemas.transport import Transport
 
 from ._approvals import ApprovalSender, NoApprovalTarget
-from ._audit import Ledger
-from ._fleet import EventPhase, EventState, FleetView
+from ._approver_state import ApproverState, Hold, PendingApproval, PlannedDecision
+from ._db import Database
+from ._fleet import EventPhase, EventState, FleetView, Group, SentApproval
+from ._origin import Origin
 from ._policies import Action, PolicySet, Verdict
 from ._stream import FleetStream
 
@@ -44,8 +70,14 @@ _TRY_ANOTHER = frozenset(
         RejectReason.NOT_FOR_THIS_VM.value,
         RejectReason.IMDS_REFUSED.value,
         RejectReason.EVENT_NOT_FOUND.value,
+        RejectReason.BAD_SIGNATURE.value,
+        RejectReason.UNKNOWN_KEY.value,
     }
 )
+#: At most this many approvals for one version of an event; then NotBefore applies.
+MAX_APPROVALS_PER_VERSION = 5
+#: How often pruning and the look at holds happen (housekeeping).
+HOUSEKEEPING_SECONDS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +91,38 @@ class Decision:
     policy: str
     at: datetime
     target: str | None = None
+    event_version: str = ""
+    approval_id: str | None = None
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What handling messages decided: recorded in one commit, then the approvals go out."""
+
+    decisions: list[PlannedDecision] = field(default_factory=list)
+    approvals: list[PendingApproval] = field(default_factory=list)
+    made: list[Decision] = field(default_factory=list)
+    #: The messages handled (with a database: stored in the same commit).
+    messages: list[LifecycleMessage] = field(default_factory=list)
+    #: Approvals the broker took, and events pruned, since the last commit.
+    sent: list[str] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+
+    def take(self, other: _Plan) -> None:
+        self.decisions += other.decisions
+        self.approvals += other.approvals
+        self.made += other.made
+        self.messages += other.messages
+        self.sent += other.sent
+        self.forget += other.forget
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decisions or self.approvals or self.messages or self.sent or self.forget)
 
 
 class ApproverService:
@@ -76,9 +136,11 @@ class ApproverService:
         *,
         group: str = "approver",
         decided_by: str = "approver",
-        ledger: Ledger | None = None,
+        db: Database | None = None,
         fleet: FleetView | None = None,
         exclusive: bool = True,
+        origin: Origin | None = None,
+        verifier: OriginVerifier | None = None,
         on_decision: Callable[[Decision], None] | None = None,
         clock: Callable[[], datetime] = _now,
     ) -> None:
@@ -88,102 +150,459 @@ class ApproverService:
             transport, signing_key, fleet=self.fleet, decided_by=decided_by
         )
         self.decided_by = decided_by
-        self.ledger = ledger
+        self.state = None if db is None else ApproverState(db, group)
         self.clock = clock
         self.on_decision = on_decision
         self.decisions: deque[Decision] = deque(maxlen=10_000)
-        self.stream = FleetStream(transport, group, exclusive=exclusive)
+        self.stream = FleetStream(
+            transport,
+            group,
+            exclusive=exclusive,
+            origin=origin,
+            verifier=verifier,
+            before_ack=None if self.state is None else self.commit,
+        )
         self.stream.add_handler(self.handle)
-        self._last: dict[str, tuple[Action, str]] = {}
-        self._tried: dict[str, set[str]] = {}
+        self._last: dict[str, tuple[str, str]] = {}
+        #: VMs an approval of an event's version was refused by, and how many were signed.
+        self._tried: dict[tuple[str, str], set[str]] = {}
+        self._signed: dict[tuple[str, str], int] = {}
+        #: Events a guard holds, by the group whose capacity holds them (in the order held),
+        #: and by VM of theirs (casefolded).
+        self._waiting_on: dict[Group, dict[str, None]] = {}
+        self._waiting_vm: dict[str, set[str]] = {}
+        #: Event -> the groups and VMs it waits under in those two.
+        self._held_on: dict[str, tuple[tuple[Group, ...], tuple[str, ...]]] = {}
+        self._unsent: list[PendingApproval] = []
+        #: With a database: what the messages handled since the last commit changed.
+        self._staged = _Plan()
+        self._lock = asyncio.Lock()
+        self._loaded = False
+        self._held: set[str] = set()
+        #: The holds read for the approvals of the batch being handled (None: read them).
+        self._holds: dict[str, Hold] | None = None
+        self._next_prune = 0.0
+
+    # ----------------------------------------------------------------------------- running
 
     async def run(self) -> None:
-        log.info("approver %s: reading group %s", self.decided_by, self.stream.group)
-        await self.stream.run()
+        if self.state is None:
+            log.warning(
+                "approver %s: no database (--db): its state lives in memory only; a standby "
+                "that takes over after a failover starts from nothing (events already approved "
+                "or held, hook results, who is down are forgotten)",
+                self.decided_by,
+            )
+        log.info(
+            "approver %s: reading group %s, %d policies",
+            self.decided_by,
+            self.stream.group,
+            len(self.policies.policies),
+        )
+        housekeeping = asyncio.create_task(self._housekeeping())
+        try:
+            await self.stream.run()
+        finally:
+            housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await housekeeping
 
     def stop(self) -> None:
         self.stream.stop()
 
     async def handle(self, message: LifecycleMessage) -> None:
-        state = self.fleet.apply(message)
-        if isinstance(message, ApprovalOutcomeMessage) and state is not None:
-            await self._outcome(message, state)
-        if state is not None:
-            await self.evaluate(state)
-        if message.kind in (MessageType.STARTED, MessageType.COMPLETED, MessageType.CANCELED):
-            # Capacity came back or went: events held by a guard may go now.
-            for other in self.fleet.events(open_only=True):
-                if other is not state:
-                    await self.evaluate(other)
-        self.fleet.prune()
+        """Take one message into account. Without a database its approvals are sent before
+        this returns; with one, what it changed is committed by :meth:`commit`."""
+        async with self._lock:
+            if self._staged.empty:  # the first message since the last commit
+                await self._sync()
+            await self._send_unsent()
+            plan = _Plan(messages=[message])
+            self.fleet.take_changes()
+            state = self.fleet.apply(message)
+            if isinstance(message, ApprovalOutcomeMessage) and state is not None:
+                self._outcome(message, state)
+            if state is not None:
+                await self._evaluate(state, plan)
+            await self._reevaluate(plan, skip=state)
+            await self._settle(plan, commit=False)
+            self._prune_now_and_then()
+
+    async def commit(self) -> None:
+        """Commit, in one transaction, what the messages handled since the last commit changed
+        (the messages, their decisions, the approvals signed as ``sending``), then send those
+        approvals. The stream awaits this before it acks the messages (``before_ack``); when
+        it fails, the view is loaded again from the database before the next decision."""
+        async with self._lock:
+            await self._commit()
+
+    async def _settle(self, plan: _Plan, *, commit: bool) -> None:
+        """Record and send what ``plan`` decided: at once without a database; with one, staged
+        for the next commit (now when ``commit``)."""
+        if self.state is None:
+            self._made(plan)
+            await self._send(plan.approvals)
+            return
+        self._staged.take(plan)
+        if commit:
+            await self._commit()
+
+    async def _commit(self) -> None:
+        plan, self._staged = self._staged, _Plan()
+        self._holds = None
+        if self.state is None or plan.empty:
+            return
+        try:
+            await self.state.commit(
+                plan.messages, plan.decisions, plan.approvals, sent=plan.sent, forget=plan.forget
+            )
+        except BaseException:
+            self._loaded = False  # the view holds what was not committed: load it again
+            raise
+        self._made(plan)
+        await self._send(plan.approvals)
+
+    # ----------------------------------------------------------------------------- deciding
 
     async def evaluate(self, state: EventState) -> None:
-        """Decide about one event (only while it is Scheduled and not approved yet)."""
+        """Decide about one event now (outside the message flow: tests, the console)."""
+        async with self._lock:
+            plan = _Plan()
+            self.fleet.take_changes()
+            await self._evaluate(state, plan)
+            await self._reevaluate(plan, skip=state)
+            await self._settle(plan, commit=True)
+
+    async def _evaluate(self, state: EventState, plan: _Plan) -> None:
+        """Decide about one event (while it is Scheduled and no approval of its current
+        version is out)."""
         if state.phase is not EventPhase.SCHEDULED or state.approved_or_sent:
+            self._unwait(state.event_id)
             return
+        version = state.version
         verdict = self.policies.decide(state, self.fleet, self.clock())
         if verdict.action is not Action.APPROVE:
-            await self._record(state, verdict)
+            self._record(state, verdict, plan)
+            self._wait(state, verdict.groups)
             return
-        tried = self._tried.setdefault(state.event_id, set())
+        self._unwait(state.event_id)
+        hold = await self._hold(state.event_id)
+        if hold is not None:
+            why = f"{verdict.reason}, but held by {hold}: NotBefore applies unless released"
+            self._record(state, Verdict(Action.WAIT, why, "hold"), plan)
+            return
+        key = (state.event_id, version)
+        if self._signed.get(key, 0) >= MAX_APPROVALS_PER_VERSION:
+            why = (
+                f"{self._signed[key]} approvals of this version were refused or could not be "
+                "delivered: NotBefore applies"
+            )
+            self._record(state, Verdict(Action.WAIT, why, "approver"), plan)
+            return
         try:
-            approval = await self.sender.approve(
-                state.event_id, reason=verdict.reason, exclude=frozenset(tried)
+            approval, address = self.sender.prepare(
+                state.event_id,
+                event_version=version,
+                reason=verdict.reason,
+                exclude=frozenset(self._tried.get(key, set())),
             )
         except NoApprovalTarget as exc:
-            await self._record(state, Verdict(Action.WAIT, str(exc), verdict.policy))
+            self._record(state, Verdict(Action.WAIT, str(exc), verdict.policy), plan)
             return
-        tried.add(approval.vm.casefold())
-        state.approval_sent_at = self.clock()
-        await self._record(state, verdict, target=approval.vm)
+        self._signed[key] = self._signed.get(key, 0) + 1
+        state.sent = SentApproval(approval.approval_id, version, approval.vm, self.clock())
+        plan.approvals.append(PendingApproval(approval, address))
+        self._record(state, verdict, plan, target=approval.vm, approval_id=approval.approval_id)
+        self.fleet.refresh(state)
 
-    async def _outcome(self, message: ApprovalOutcomeMessage, state: EventState) -> None:
+    async def _reevaluate(self, plan: _Plan, skip: EventState | None) -> None:
+        """Who is unavailable changed: decide again the held events the change can release
+        (see the module docstring), and only those."""
+        seen: set[str] = set() if skip is None else {skip.event_id}
+
+        async def again(event_id: str) -> None:
+            seen.add(event_id)
+            other = self.fleet.event(event_id)
+            if other is None:
+                self._unwait(event_id)
+            else:
+                await self._evaluate(other, plan)
+
+        freed, downed = self.fleet.take_changes()
+        while freed or downed:
+            for vm in downed:
+                for event_id in list(self._waiting_vm.get(vm, ())):
+                    if event_id not in seen:
+                        await again(event_id)
+            for group in freed:
+                for event_id in list(self._waiting_on.get(group, ())):
+                    room = self.policies.room(self.fleet, group)
+                    if room is not None and room <= 0:
+                        break  # full again: the rest wait for the next freed slot
+                    if event_id not in seen:
+                        await again(event_id)
+            freed, downed = self.fleet.take_changes()
+
+    def _wait(self, state: EventState, groups: tuple[Group, ...]) -> None:
+        """A guard holds the event on ``groups`` (none: nothing holds it any more). It keeps its
+        place in the groups it was held on already."""
+        event_id = state.event_id
+        vms = tuple(resource.casefold() for resource in state.resources) if groups else ()
+        old_groups, old_vms = self._held_on.pop(event_id, ((), ()))
+        self._drop(
+            event_id,
+            [group for group in old_groups if group not in groups],
+            [vm for vm in old_vms if vm not in vms],
+        )
+        if groups:
+            for group in groups:
+                self._waiting_on.setdefault(group, {}).setdefault(event_id, None)
+            for vm in vms:
+                self._waiting_vm.setdefault(vm, set()).add(event_id)
+            self._held_on[event_id] = (groups, vms)
+
+    def _unwait(self, event_id: str) -> None:
+        groups, vms = self._held_on.pop(event_id, ((), ()))
+        self._drop(event_id, groups, vms)
+
+    def _drop(self, event_id: str, groups: Iterable[Group], vms: Iterable[str]) -> None:
+        for group in groups:
+            events = self._waiting_on[group]
+            del events[event_id]
+            if not events:
+                del self._waiting_on[group]
+        for vm in vms:
+            held = self._waiting_vm[vm]
+            held.discard(event_id)
+            if not held:
+                del self._waiting_vm[vm]
+
+    def _groups_of(self, state: EventState) -> list[Group]:
+        """Every group of the event's VMs, once each."""
+        return list(dict.fromkeys(g for vm in state.resources for g in self.fleet.groups(vm)))
+
+    def _outcome(self, message: ApprovalOutcomeMessage, state: EventState) -> None:
+        """An agent refused one of this approver's approvals: it is void; a VM-specific
+        refusal sends the next approval elsewhere."""
         data = message.data
+        sent = state.sent
         if data.applied or data.decided_by != self.decided_by:
             return
-        if data.reason in _TRY_ANOTHER and state.phase is EventPhase.SCHEDULED:
-            log.warning(
-                "approval of %s rejected by %s (%s): trying another VM",
-                data.event_id,
-                message.vm.name,
-                data.reason,
-            )
-            self._tried.setdefault(state.event_id, set()).add(message.vm.name.casefold())
-            state.approval_sent_at = None
-            self._last.pop(state.event_id, None)
+        if sent is None or sent.approval_id != data.approval_id:
+            return
+        log.warning(
+            "approval %s of %s (version %s) rejected by %s: %s %s",
+            data.approval_id,
+            data.event_id,
+            sent.event_version,
+            message.vm.name,
+            data.reason,
+            data.detail,
+        )
+        if data.reason in _TRY_ANOTHER:
+            key = (state.event_id, sent.event_version)
+            self._tried.setdefault(key, set()).add(message.vm.name.casefold())
+        state.sent = None
+        self.fleet.refresh(state)
 
-    async def _record(self, state: EventState, verdict: Verdict, target: str | None = None) -> None:
-        key = (verdict.action, verdict.reason)
-        if self._last.get(state.event_id) == key:
+    async def _hold(self, event_id: str) -> str | None:
+        """Who holds the event. Read once per commit, at the first approval decided since the
+        last one: fresh before any approval of the batch goes out (only an approval is ever
+        held back)."""
+        if self.state is None:
+            return None
+        if self._holds is None:
+            self._holds = await self.state.holds()
+            self._held = set(self._holds)
+        hold = self._holds.get(event_id)
+        return None if hold is None else f"{hold.held_by} ({hold.reason})"
+
+    def _record(
+        self,
+        state: EventState,
+        verdict: Verdict,
+        plan: _Plan,
+        *,
+        target: str | None = None,
+        approval_id: str | None = None,
+    ) -> None:
+        key = (verdict.action.value, verdict.reason)
+        if self._last.get(state.event_id) == key and verdict.action is not Action.APPROVE:
             return  # the same decision again: recorded once
         self._last[state.event_id] = key
+        at = self.clock()
         decision = Decision(
             event_id=state.event_id,
             event_type=state.event_type,
             action=verdict.action,
             reason=verdict.reason,
             policy=verdict.policy,
-            at=self.clock(),
+            at=at,
             target=target,
+            event_version=state.version,
+            approval_id=approval_id,
         )
-        self.decisions.append(decision)
-        log.info(
-            "decision on %s (%s): %s by %s: %s%s",
-            decision.event_id,
-            decision.event_type,
-            decision.action.value,
-            decision.policy,
-            decision.reason,
-            f" -> {target}" if target else "",
-        )
-        if self.ledger is not None:
-            await self.ledger.append_decision(
-                state.event_id,
-                verdict,
-                decided_by=self.decided_by,
-                target=target,
+        plan.made.append(decision)
+        plan.decisions.append(
+            PlannedDecision(
+                event_id=state.event_id,
                 event_type=state.event_type,
-                at=decision.at,
+                action=verdict.action.value,
+                reason=verdict.reason,
+                policy=verdict.policy,
+                decided_by=self.decided_by,
+                event_version=state.version,
+                at=at,
+                target=target,
+                approval_id=approval_id,
             )
-        if self.on_decision is not None:
-            self.on_decision(decision)
+        )
+
+    def _made(self, plan: _Plan) -> None:
+        for decision in plan.made:
+            self.decisions.append(decision)
+            log.info(
+                "decision on %s (%s, version %s): %s by %s: %s%s",
+                decision.event_id,
+                decision.event_type,
+                decision.event_version,
+                decision.action.value,
+                decision.policy,
+                decision.reason,
+                f" -> {decision.target}" if decision.target else "",
+            )
+            if self.on_decision is not None:
+                self.on_decision(decision)
+
+    # ------------------------------------------------------------------------------ sending
+
+    async def _send(self, approvals: list[PendingApproval]) -> None:
+        """Send committed approvals; one the broker refuses for good (no queue for that VM)
+        is void and the event is decided again (another VM); a lost link keeps the rest for
+        the next message and fails this one (it comes back)."""
+        for index, pending in enumerate(approvals):
+            approval = pending.approval
+            try:
+                await self.sender.send(approval, pending.address)
+            except PublishNotConfirmed as exc:
+                log.warning(
+                    "approval %s for %s could not be delivered (%s): trying another VM",
+                    approval.approval_id,
+                    approval.vm,
+                    exc,
+                )
+                await self._undeliverable(pending)
+                continue
+            except TransportError:
+                self._unsent.extend(approvals[index:])
+                raise
+            if self.state is not None:
+                self._staged.sent.append(approval.approval_id)  # marked in the next commit
+
+    async def _undeliverable(self, pending: PendingApproval) -> None:
+        approval = pending.approval
+        state = self.fleet.event(approval.event_id)
+        if self.state is not None:
+            self._staged.sent.append(approval.approval_id)  # settled: it will never go out
+        if state is None or state.sent is None or state.sent.approval_id != approval.approval_id:
+            return
+        key = (state.event_id, state.sent.event_version)
+        self._tried.setdefault(key, set()).add(approval.vm.casefold())
+        state.sent = None
+        plan = _Plan()
+        self.fleet.refresh(state)
+        await self._evaluate(state, plan)
+        await self._reevaluate(plan, skip=state)
+        await self._settle(plan, commit=True)
+
+    async def _send_unsent(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        if unsent:
+            log.info("sending %d approval(s) again that were not confirmed", len(unsent))
+            await self._send(unsent)
+
+    # ---------------------------------------------------------------------- durable state
+
+    async def _sync(self) -> None:
+        """Load the state when another process wrote since (a failover) or on first use."""
+        if self.state is None:
+            return
+        if self._loaded and not await self.state.stale():
+            return
+        started = time.monotonic()
+        fleet = FleetView(
+            liveness_timeout=self.fleet.liveness_timeout,
+            retention=self.fleet.retention,
+            expiry=self.fleet.expiry,
+            clock=self.fleet.clock,
+        )
+        loaded = await self.state.load(fleet)
+        self.fleet = fleet
+        self.sender.fleet = fleet
+        self._last = dict(loaded.last_decisions)
+        self._tried.clear()
+        self._signed.clear()
+        self._waiting_on.clear()
+        self._waiting_vm.clear()
+        self._held_on.clear()
+        self._unsent = list(loaded.unsent)
+        for state in fleet.events(open_only=True):
+            if state.sent is not None:
+                key = (state.event_id, state.sent.event_version)
+                self._signed[key] = self._signed.get(key, 0) + 1
+            action = loaded.last_decisions.get(state.event_id, ("", ""))[0]
+            if action == Action.WAIT.value:
+                # Its guard's groups are not stored: wait on every group of its VMs.
+                self._wait(state, tuple(self._groups_of(state)))
+        self._loaded = True
+        log.info(
+            "approver %s: state %s (%d messages, %d open events, %d approval(s) to send again) "
+            "in %.2f s",
+            self.decided_by,
+            "loaded" if loaded.messages else "empty",
+            loaded.messages,
+            sum(1 for _ in fleet.events(open_only=True)),
+            len(loaded.unsent),
+            time.monotonic() - started,
+        )
+
+    def _prune_now_and_then(self) -> None:
+        now = time.monotonic()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + 60.0
+        gone = self.fleet.prune()
+        for event_id in gone:
+            self._last.pop(event_id, None)
+            self._unwait(event_id)
+        for key in [k for k in self._signed if k[0] in gone]:
+            self._signed.pop(key, None)
+            self._tried.pop(key, None)
+        if self.state is not None:
+            self._staged.forget += gone  # with the next commit
+
+    async def _housekeeping(self) -> None:
+        """Releases of holds take effect without waiting for the next message. Only the
+        process that wrote last acts (the active one: a standby receives nothing)."""
+        if self.state is None:
+            return
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_SECONDS)
+            try:
+                if not self._loaded or await self.state.stale():
+                    continue
+                if not self._staged.empty:  # approvals sent since the last message
+                    await self.commit()
+                holds = set(await self.state.holds())
+                released = self._held - holds
+                self._held = holds
+                for event_id in released:
+                    state = self.fleet.event(event_id)
+                    if state is not None:
+                        log.info("hold on %s released: deciding again", event_id)
+                        self._last.pop(event_id, None)
+                        await self.evaluate(state)
+            except TransportError as exc:
+                log.warning("approver housekeeping failed (%s); trying again", exc)
+            except Exception:
+                log.exception("approver housekeeping failed; trying again in a second")

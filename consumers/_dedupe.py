@@ -1,5 +1,6 @@
-"""The dedupe window: message ids already handled, so a redelivery or an agent's repeat reaches
-the handler once. Bounded in size and in age, because the stream never ends."""
+"""The dedupe window: message ids already handled, with what each said, so a redelivery or an
+agent's repeat reaches the handler once, and another message under a handled id is caught.
+Bounded in size and in age, because the stream never ends."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ __all__ = ["DedupeWindow"]
 
 
 class DedupeWindow:
-    """The last ``size`` ids seen within ``ttl`` seconds (None: no age limit).
+    """The last ``size`` ids seen within ``ttl`` seconds (None: no age limit), each with the
+    digest of what it said (:func:`schemas.messages.content_digest`).
 
-    Message ids are deterministic (the same transition of the same event on the same VM has the
-    same id), so the window catches agent restarts that republish as well as broker redeliveries.
+    Keys are ``(vm, id)`` in the stream: ids are deterministic and derived from the VM's
+    identity (the same transition of the same event on the same VM has the same id), so the
+    window catches agent restarts that republish as well as broker redeliveries, and one VM's
+    messages can never occupy another VM's ids.
 
     >>> window = DedupeWindow(size=2)
     >>> window.add("a"); window.add("b"); window.add("c")
@@ -34,31 +38,36 @@ class DedupeWindow:
         self.size = size
         self.ttl = ttl
         self._clock = clock
-        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._seen: OrderedDict[object, tuple[float, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._seen)
 
-    def __contains__(self, message_id: object) -> bool:
-        added = self._seen.get(message_id)  # type: ignore[call-overload]
-        if added is None:
-            return False
+    def get(self, key: object) -> str | None:
+        """The digest recorded for ``key`` ("" when none was given), or None if not seen."""
+        entry = self._seen.get(key)
+        if entry is None:
+            return None
+        added, digest = entry
         if self.ttl is not None and self._clock() - added > self.ttl:
-            del self._seen[message_id]  # type: ignore[arg-type]
-            return False
-        return True
+            del self._seen[key]
+            return None
+        return digest
 
-    def add(self, message_id: str) -> None:
+    def __contains__(self, key: object) -> bool:
+        return self.get(key) is not None
+
+    def add(self, key: object, digest: str = "") -> None:
         now = self._clock()
         seen = self._seen
-        seen[message_id] = now
-        seen.move_to_end(message_id)
+        seen[key] = (now, digest)
+        seen.move_to_end(key)
         while len(seen) > self.size:
             seen.popitem(last=False)
         if self.ttl is not None:
             horizon = now - self.ttl
             while seen:
-                oldest_id, added = next(iter(seen.items()))
+                oldest, (added, _) = next(iter(seen.items()))
                 if added >= horizon:
                     break
-                del seen[oldest_id]
+                del seen[oldest]

@@ -6,7 +6,9 @@ default, or over RabbitMQ with ``--broker amqp://...`` (entity names of the run'
 afterwards). The scenario: a user reboot approved at once, a live migration approved by policy,
 a Spot preemption (30 s notice: nobody approves, it just happens) and a redeploy that Azure
 cancels. A live timeline is printed while it runs, then a summary; exit 0 when every event
-ended as expected.
+ended as expected. With ``console`` (``--console``), the operator console is served too, on the
+same broker and database, with a sign-in token printed beside its address; the demo then keeps
+running after the scenario, agents included, until Ctrl-C.
 
 This is the one module of ``consumers`` that imports ``publisher`` (decided: the demo runs
 both sides).
@@ -17,12 +19,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
+import signal
 import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from publisher import Agent, AgentSettings
 from publisher.simulator import EventSource as SimEventSource
@@ -35,6 +41,7 @@ from schemas.transport import Transport, broker_kind, open_transport, redact
 from ._approver import ApproverService, Decision
 from ._audit import open_ledger
 from ._audit_service import AuditService
+from ._db import Database
 from ._policies import Action, PolicySet
 from ._stream import FleetStream
 from ._timeline import message_line
@@ -127,8 +134,49 @@ async def _transport(url: str, channels: ChannelNames) -> AsyncIterator[Transpor
         yield transport
 
 
-async def run_demo(broker: str, *, speed: float = 60.0, quiet: bool = False) -> int:
-    """Run the scenario; 0 when every event ended as expected, 1 otherwise."""
+@contextlib.asynccontextmanager
+async def _console(
+    listen: str | None, url: str, channels: ChannelNames, db: Database, key: Ed25519PrivateKey
+) -> AsyncIterator[str | None]:
+    """The operator console on ``listen`` (HOST:PORT), signed in with a token made now; yields
+    its address, or None without ``listen``."""
+    if listen is None:
+        yield None
+        return
+    from .console._auth import Authenticator
+    from .console._server import console_running, parse_listen
+    from .console._sessions import SessionCodec, load_session_key
+
+    host, port = parse_listen(listen)
+    token = secrets.token_urlsafe(12)
+    auth = Authenticator(SessionCodec(load_session_key(None)), token=token)
+    async with (
+        _transport(url, channels) as link,
+        console_running(link, db, auth, signing_key=key, host=host, port=port) as (_, server),
+    ):
+        print(f"console: {server.url}/ (sign in with any name and the token {token})", flush=True)
+        yield server.url
+
+
+async def _until_interrupted(announce: str) -> None:
+    """Print ``announce`` once SIGINT/SIGTERM are caught, then wait for one."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        print(announce, flush=True)
+        await stop.wait()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+async def run_demo(
+    broker: str, *, speed: float = 60.0, quiet: bool = False, console: str | None = None
+) -> int:
+    """Run the scenario; 0 when every event ended as expected, 1 otherwise. ``console``
+    (HOST:PORT): serve the operator console too, and keep running until SIGINT/SIGTERM."""
     networked = broker_kind(broker) != "memory"
     suffix = f"demo-{uuid.uuid4().hex[:8]}"
     channels = DEFAULT_CHANNELS.suffixed(suffix) if networked else DEFAULT_CHANNELS
@@ -151,6 +199,7 @@ async def run_demo(broker: str, *, speed: float = 60.0, quiet: bool = False) -> 
             _transport(broker, channels) as approver_link,
             _transport(broker, channels) as audit_link,
             _transport(broker, channels) as timeline_link,
+            _console(console, broker, channels, ledger.db, key) as console_url,
         ):
             decisions: list[Decision] = []
 
@@ -162,7 +211,9 @@ async def run_demo(broker: str, *, speed: float = 60.0, quiet: bool = False) -> 
                     f"{decision.reason}{target}"
                 )
 
-            approver = ApproverService(approver_link, key, PolicySet.default(), on_decision=decided)
+            approver = ApproverService(
+                approver_link, key, PolicySet.default(), db=ledger.db, on_decision=decided
+            )
             audit = AuditService(audit_link, ledger)
             timeline = FleetStream(timeline_link, "demo-timeline")
 
@@ -205,6 +256,12 @@ async def run_demo(broker: str, *, speed: float = 60.0, quiet: bool = False) -> 
                     try:
                         ok = await _play(simulator, say)
                         await _settle(audit, simulator, len(SCENARIO))
+                        if console_url is not None:
+                            await _until_interrupted(
+                                f"scenario over; the console stays up at {console_url}/ with "
+                                f"the agents running (IMDS simulator at {server.base_url}); "
+                                "Ctrl-C to stop"
+                            )
                     finally:
                         for agent in agents:
                             agent.stop("demo over")

@@ -5,6 +5,16 @@ One event (one EventId) is seen by every VM in its ``Resources``; each VM's agen
 *it* saw. The view answers what an operator asks: who is hit, who reported what and when, who is
 silent, how long until NotBefore, and whether the event started, completed or was canceled.
 
+It also answers what a policy asks, at a cost that does not grow with the number of open events:
+which VMs are unavailable (an event that hits them started, or an approval of its current
+version was sent or applied, and it is not over), per group (scale set, zone, fault or update
+domain), from indexes kept up to date as messages arrive (:meth:`FleetView.down_in`).
+
+Memory stays bounded: :meth:`FleetView.prune` forgets events over for longer than ``retention``,
+and open events nobody reported on for ``expiry`` (a VM that vanished with an event in hand):
+an open event expires ``expiry`` after its last report, and not before its NotBefore is that
+far in the past.
+
 >>> view = FleetView()
 >>> view.apply(message)                       # doctest: +SKIP
 >>> view.event("EVT-1").silent()              # doctest: +SKIP
@@ -13,7 +23,7 @@ silent, how long until NotBefore, and whether the event started, completed or wa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -28,9 +38,23 @@ from schemas import (
     ScheduledEvent,
     TransitionMessage,
     VmIdentity,
+    event_version,
 )
 
-__all__ = ["AgentState", "EventPhase", "EventState", "FleetView", "VmReport"]
+__all__ = [
+    "GROUP_KEYS",
+    "AgentState",
+    "EventPhase",
+    "EventState",
+    "FleetView",
+    "SentApproval",
+    "VmReport",
+]
+
+#: What a VM may be grouped by (its identity's fields).
+GROUP_KEYS = ("scale_set", "zone", "fault_domain", "update_domain")
+#: One group: (what it is grouped by, the value), e.g. ("scale_set", "web").
+Group = tuple[str, object]
 
 
 class EventPhase(StrEnum):
@@ -71,6 +95,16 @@ class VmReport:
     message_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class SentApproval:
+    """An approval an approver signed for one version of an event."""
+
+    approval_id: str
+    event_version: str
+    target: str
+    at: datetime
+
+
 @dataclass(slots=True)
 class EventState:
     """One event as the whole fleet reported it."""
@@ -84,10 +118,17 @@ class EventState:
     reports: dict[str, VmReport] = field(default_factory=dict)
     #: Hook results by VM (name casefolded), then by ``transition/hook``.
     hooks: dict[str, dict[str, HookResultMessage]] = field(default_factory=dict)
-    #: ``approval.applied`` / ``approval.rejected`` outcomes, in arrival order.
-    outcomes: list[ApprovalOutcomeMessage] = field(default_factory=list)
-    #: When this process sent an approval for it (set by the approver service).
-    approval_sent_at: datetime | None = None
+    #: ``approval.applied`` / ``approval.rejected`` outcomes by message id, in arrival order.
+    outcomes: dict[str, ApprovalOutcomeMessage] = field(default_factory=dict)
+    #: The approval the approver signed last (set by the approver service).
+    sent: SentApproval | None = None
+    #: :func:`~schemas.event_version` of ``event`` (kept with it).
+    version: str = ""
+    #: Whether the view counts the event's VMs as unavailable (see :meth:`FleetView.refresh`).
+    counted_down: bool = False
+
+    def __post_init__(self) -> None:
+        self.version = self.version or event_version(self.event)
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -112,11 +153,33 @@ class EventState:
     @property
     def approved(self) -> bool:
         """Some VM applied an approval for it (the event proceeds for every VM)."""
-        return any(outcome.data.applied for outcome in self.outcomes)
+        return any(
+            outcome.data.applied and not outcome.data.dry_run for outcome in self.outcomes.values()
+        )
+
+    @property
+    def approval_pending(self) -> bool:
+        """An approval of the event's *current* version was sent and not rejected (one for an
+        earlier version is void: the agent refuses it as ``event-changed``)."""
+        return self.sent is not None and self.sent.event_version == self.version
 
     @property
     def approved_or_sent(self) -> bool:
-        return self.approval_sent_at is not None or self.approved
+        return self.approval_pending or self.approved
+
+    @property
+    def approval_sent_at(self) -> datetime | None:
+        return self.sent.at if self.approval_pending and self.sent is not None else None
+
+    @property
+    def unavailable(self) -> bool:
+        """Whether its VMs count as unavailable: it started, or an approval of its current
+        version was sent or applied, and it is not over."""
+        return not self.phase.is_over and (self.started or self.approved_or_sent)
+
+    def set_event(self, event: ScheduledEvent) -> None:
+        self.event = event
+        self.version = event_version(event)
 
     def reported(self) -> tuple[str, ...]:
         """The VMs that reported on this event, in Resources order first."""
@@ -142,6 +205,10 @@ class EventState:
         if not results:
             return False
         return all(r.data.succeeded for r in results.values())
+
+    def hooks_failed(self, vm: str) -> list[HookResultMessage]:
+        """The hook runs ``vm`` reported as failed, timed out or interrupted."""
+        return [r for r in self.hooks.get(vm.casefold(), {}).values() if not r.data.succeeded]
 
 
 @dataclass(slots=True)
@@ -170,46 +237,59 @@ class FleetView:
     from one task (a :class:`~consumers.FleetStream` handler).
 
     ``liveness_timeout``: an agent is live while it was heard from within this long (agents
-    send a heartbeat every 30 s by default, so the default allows two to be lost).
+    send a heartbeat every 60 s by default, so the default allows one to be lost).
     ``retention``: how long a completed or canceled event is kept before :meth:`prune`
-    forgets it.
+    forgets it; ``expiry``: how long an open event nobody reports on is kept.
     """
 
     def __init__(
         self,
         *,
-        liveness_timeout: timedelta = timedelta(seconds=95),
+        liveness_timeout: timedelta = timedelta(seconds=150),
         retention: timedelta = timedelta(hours=1),
+        expiry: timedelta = timedelta(days=1),
         clock: Callable[[], datetime] = _now,
     ) -> None:
         self.liveness_timeout = liveness_timeout
         self.retention = retention
+        self.expiry = expiry
         self.clock = clock
         self._events: dict[str, EventState] = {}
         self._agents: dict[str, AgentState] = {}
+        #: VM (casefolded) -> the open events that make it unavailable.
+        self._down: dict[str, set[str]] = {}
+        #: Group -> its members, and its unavailable members (casefolded names).
+        self._members: dict[Group, set[str]] = {}
+        self._down_members: dict[Group, set[str]] = {}
+        #: Since :meth:`take_changes`: groups where a VM became available again, and VMs
+        #: that became unavailable (casefolded).
+        self._freed: set[Group] = set()
+        self._downed: set[str] = set()
 
     # ------------------------------------------------------------------------------ feeding
 
     def apply(self, message: LifecycleMessage) -> EventState | None:
-        """Take one message into account; returns the event it concerns, if any."""
+        """Take one message into account; returns the event it concerns, if any. Applying a
+        message twice changes nothing."""
         self._seen_agent(message)
+        state: EventState | None = None
         if isinstance(message, TransitionMessage):
-            return self._transition(message)
-        if isinstance(message, HookResultMessage):
+            state = self._transition(message)
+        elif isinstance(message, HookResultMessage):
             state = self._state_for(message.data.event, message.time)
             key = f"{message.data.transition}/{message.data.hook}"
             state.hooks.setdefault(message.vm.name.casefold(), {})[key] = message
             state.last_update = max(state.last_update, message.time)
-            return state
-        if isinstance(message, ApprovalOutcomeMessage):
+        elif isinstance(message, ApprovalOutcomeMessage):
             event = message.data.event
-            known = self._events.get(message.data.event_id)
-            if known is None and event is not None:
-                known = self._state_for(event, message.time)
-            if known is not None:
-                known.outcomes.append(message)
-            return known
-        return None
+            state = self._events.get(message.data.event_id)
+            if state is None and event is not None:
+                state = self._state_for(event, message.time)
+            if state is not None:
+                state.outcomes[message.id] = message
+        if state is not None:
+            self.refresh(state)
+        return state
 
     def _seen_agent(self, message: LifecycleMessage) -> None:
         data = message.data
@@ -219,7 +299,11 @@ class FleetView:
             agent = self._agents[key] = AgentState(
                 identity=data.vm, reply_to=data.reply_to, last_seen=message.time
             )
+            self._join(key, data.vm)
         elif message.time >= agent.last_seen:
+            if agent.identity != data.vm:
+                self._leave(key, agent.identity)
+                self._join(key, data.vm)
             agent.identity = data.vm
             agent.reply_to = data.reply_to
             agent.last_seen = message.time
@@ -261,7 +345,9 @@ class FleetView:
                 message_id=message.id,
             )
         if message.time >= state.last_update:  # the newest content wins
-            state.event = event
+            if state.event != event:
+                self._set_down(state, False)  # its Resources may change
+                state.set_event(event)
             state.last_update = message.time
         phase = _PHASE_OF.get(message.kind)
         if message.kind is MessageType.UPDATED:
@@ -269,6 +355,88 @@ class FleetView:
         if phase is not None and _RANK[phase] > _RANK[state.phase]:
             state.phase = phase
         return state
+
+    # ------------------------------------------------------------------- the unavailable index
+
+    def refresh(self, state: EventState) -> set[Group]:
+        """Bring the unavailable index up to date with ``state`` (after a message, or after the
+        approver sent or voided an approval); returns the groups whose count changed."""
+        return self._set_down(state, state.unavailable)
+
+    def _set_down(self, state: EventState, down: bool) -> set[Group]:
+        if state.counted_down == down:
+            return set()
+        state.counted_down = down
+        changed: set[Group] = set()
+        for resource in state.resources:
+            vm = resource.casefold()
+            events = self._down.setdefault(vm, set())
+            before = bool(events)
+            if down:
+                events.add(state.event_id)
+            else:
+                events.discard(state.event_id)
+            if bool(events) != before:
+                groups = self._mark(vm, bool(events))
+                changed |= groups
+                if events:
+                    self._downed.add(vm)
+                else:
+                    self._freed |= groups
+            if not events:
+                del self._down[vm]
+        return changed
+
+    def take_changes(self) -> tuple[set[Group], set[str]]:
+        """Since the last call: the groups where a VM became available again, and the VMs
+        that became unavailable. What a guard holds can change only with these: room freed in
+        a group, or a VM of a held event now down anyway (it costs no more room)."""
+        freed, self._freed = self._freed, set()
+        downed, self._downed = self._downed, set()
+        return freed, downed
+
+    def _groups_of(self, identity: VmIdentity | None) -> list[Group]:
+        if identity is None:
+            return []
+        return [(key, value) for key in GROUP_KEYS if (value := getattr(identity, key)) is not None]
+
+    def _mark(self, vm: str, down: bool) -> set[Group]:
+        agent = self._agents.get(vm)
+        groups = self._groups_of(None if agent is None else agent.identity)
+        for group in groups:
+            members = self._down_members.setdefault(group, set())
+            if down:
+                members.add(vm)
+            else:
+                members.discard(vm)
+        return set(groups)
+
+    def _join(self, vm: str, identity: VmIdentity) -> None:
+        down = vm in self._down
+        for group in self._groups_of(identity):
+            self._members.setdefault(group, set()).add(vm)
+            if down:
+                self._down_members.setdefault(group, set()).add(vm)
+
+    def _leave(self, vm: str, identity: VmIdentity) -> None:
+        for group in self._groups_of(identity):
+            self._members.get(group, set()).discard(vm)
+            self._down_members.get(group, set()).discard(vm)
+
+    def members(self, group_by: str, value: object) -> set[str]:
+        """The VMs (casefolded names) known to be in a group."""
+        return self._members.get((group_by, value), set())
+
+    def down_in(self, group_by: str, value: object) -> set[str]:
+        """The VMs of a group that are unavailable now (casefolded names)."""
+        return self._down_members.get((group_by, value), set())
+
+    def is_down(self, vm: str) -> bool:
+        return vm.casefold() in self._down
+
+    def groups(self, vm: str) -> list[Group]:
+        agent = self._agents.get(vm.casefold())
+        return self._groups_of(None if agent is None else agent.identity)
 
     # ------------------------------------------------------------------------------ reading
 
@@ -308,14 +476,38 @@ class FleetView:
         agent = self._agents.get(vm.casefold())
         return None if agent is None else agent.identity
 
-    def prune(self, now: datetime | None = None) -> int:
-        """Forget events over for longer than ``retention``; returns how many went."""
-        horizon = (now or self.clock()) - self.retention
-        gone = [
-            event_id
-            for event_id, state in self._events.items()
-            if state.phase.is_over and state.last_update < horizon
-        ]
+    # ------------------------------------------------------------------------------ pruning
+
+    def expired(self, state: EventState, now: datetime) -> bool:
+        """Over for longer than ``retention``, or open with no report for ``expiry`` and a
+        NotBefore (if any) that far in the past."""
+        if state.phase.is_over:
+            return state.last_update < now - self.retention
+        if state.last_update >= now - self.expiry:
+            return False
+        not_before = state.event.not_before
+        return not_before is None or not_before < now - self.expiry
+
+    def prune(self, now: datetime | None = None) -> list[str]:
+        """Forget the events :meth:`expired` says are done with (and agents silent for
+        ``expiry`` with no open event); returns the ids of the events forgotten."""
+        moment = now or self.clock()
+        gone = [event_id for event_id, state in self._events.items() if self.expired(state, moment)]
         for event_id in gone:
-            del self._events[event_id]
-        return len(gone)
+            self.forget(event_id)
+        horizon = moment - self.expiry
+        for key, agent in list(self._agents.items()):
+            if agent.last_seen < horizon and key not in self._down:
+                self._leave(key, agent.identity)
+                del self._agents[key]
+        return gone
+
+    def forget(self, event_id: str) -> None:
+        state = self._events.pop(event_id, None)
+        if state is not None:
+            self._set_down(state, False)
+
+
+def affected_groups(view: FleetView, vms: Iterable[str]) -> set[Group]:
+    """Every group any of ``vms`` belongs to."""
+    return {group for vm in vms for group in view.groups(vm)}

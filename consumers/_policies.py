@@ -23,6 +23,10 @@ The policy file (every table optional)::
     [[max_unavailable]]                   # at most 1 VM per scale set down at once
     group_by = "scale_set"                # scale_set | zone | fault_domain | update_domain
     count = 1                             # or: percent = 25
+
+An EventType the contract does not know (``"Terminat"``) is an error that lists the known ones:
+a misspelt ``[never]`` veto would otherwise silently never apply. A type Azure added after this
+version is named deliberately with ``unknown_event_types = ["Hibernate"]`` in the same table.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from schemas import ConfigError, EventSource, EventType, VmIdentity
+from schemas import ConfigError, EventSource, EventType, HookResultMessage, VmIdentity
 
-from ._fleet import EventPhase, EventState, FleetView
+from ._fleet import GROUP_KEYS, EventPhase, EventState, FleetView
 
 __all__ = [
     "Action",
@@ -67,6 +71,9 @@ class Verdict:
     action: Action
     reason: str
     policy: str
+    #: For a guard's ``wait``: the groups whose capacity held it (decided again when one of
+    #: them changes).
+    groups: tuple[tuple[str, object], ...] = ()
 
 
 class Policy(Protocol):
@@ -135,10 +142,24 @@ class ApproveWhenHooksDone:
     def evaluate(self, event: EventState, fleet: FleetView, now: datetime) -> Verdict | None:
         if not _wanted(self.event_types, event) or not event.resources:
             return None
+        failed = [
+            f"{r.data.hook} on {vm} {_how(r)}"
+            for vm in event.resources
+            for r in event.hooks_failed(vm)
+        ]
+        if failed:
+            return Verdict(Action.WAIT, f"hook {'; '.join(failed)}", self.name)
         pending = [vm for vm in event.resources if not event.hooks_done(vm)]
         if pending:
             return Verdict(Action.WAIT, f"waiting for hooks on {', '.join(pending)}", self.name)
         return Verdict(Action.APPROVE, "every VM in Resources reported its hooks done", self.name)
+
+
+def _how(result: HookResultMessage) -> str:
+    data = result.data
+    if data.outcome:
+        return data.outcome
+    return "timed out" if data.timed_out else f"failed (exit {data.exit_code})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +176,6 @@ class NeverApprove:
         return None
 
 
-GROUP_KEYS = ("scale_set", "zone", "fault_domain", "update_domain")
-
-
 def _group_of(identity: VmIdentity | None, group_by: str) -> object:
     return None if identity is None else getattr(identity, group_by)
 
@@ -166,7 +184,10 @@ def _group_of(identity: VmIdentity | None, group_by: str) -> object:
 class MaxUnavailable:
     """At most ``count`` VMs (or ``percent`` % of the VMs known) of one group unavailable at
     once. A VM is unavailable while an event hitting it has started or was approved and is not
-    over. An event whose own Resources exceed the cap is never approved: NotBefore applies."""
+    over. An event whose own Resources exceed the cap is never approved: NotBefore applies.
+
+    Costs what the event's groups cost, never a scan of the open events: the fleet view keeps
+    each group's members and unavailable members up to date."""
 
     group_by: str
     count: int | None = None
@@ -180,30 +201,37 @@ class MaxUnavailable:
         if (self.count is None) == (self.percent is None):
             raise ConfigError("max_unavailable: give exactly one of count or percent")
 
+    def limit(self, fleet: FleetView, group: object) -> int:
+        """How many VMs of ``group`` may be unavailable at once."""
+        if self.percent is not None:
+            return int(len(fleet.members(self.group_by, group)) * self.percent / 100)
+        assert self.count is not None
+        return self.count
+
+    def room(self, fleet: FleetView, group: tuple[str, object]) -> int | None:
+        """How many more VMs of ``group`` may become unavailable (negative when over the limit;
+        None when this guard does not group by ``group``'s key)."""
+        key, value = group
+        if key != self.group_by:
+            return None
+        return self.limit(fleet, value) - len(fleet.down_in(key, value))
+
     def evaluate(self, event: EventState, fleet: FleetView, now: datetime) -> Verdict | None:
-        down: set[str] = set()
-        for other in fleet.events(open_only=True):
-            if other.event_id != event.event_id and (other.started or other.approved_or_sent):
-                down.update(vm.casefold() for vm in other.resources)
-        after = down | {vm.casefold() for vm in event.resources}
+        own = {vm.casefold() for vm in event.resources}
         groups = {_group_of(fleet.identity(vm), self.group_by) for vm in event.resources} - {None}
         for group in sorted(groups, key=str):
-            members = {
-                a.name.casefold()
-                for a in fleet.agents()
-                if _group_of(a.identity, self.group_by) == group
-            }
-            hit = {vm for vm in after if vm in members}
-            limit = self.count
-            if self.percent is not None:
-                limit = int(len(members) * self.percent / 100)
-            assert limit is not None
-            if len(hit) > limit:
+            members = fleet.members(self.group_by, group)
+            down = fleet.down_in(self.group_by, group)
+            if event.counted_down:  # its own VMs are counted below, once
+                down = down - own
+            hit = len(down) + sum(1 for vm in own if vm in members and vm not in down)
+            limit = self.limit(fleet, group)
+            if hit > limit:
                 return Verdict(
                     Action.WAIT,
-                    f"{len(hit)} VMs of {self.group_by}={group} would be unavailable "
-                    f"(at most {limit})",
+                    f"{hit} VMs of {self.group_by}={group} would be unavailable (at most {limit})",
                     f"{self.name}.{self.group_by}",
+                    ((self.group_by, group),),
                 )
         return None
 
@@ -248,9 +276,23 @@ class PolicySet:
             verdict = policy.evaluate(event, fleet, now)
             if verdict is not None and verdict.action is not Action.APPROVE:
                 return Verdict(
-                    verdict.action, f"{approval.reason}, but {verdict.reason}", verdict.policy
+                    verdict.action,
+                    f"{approval.reason}, but {verdict.reason}",
+                    verdict.policy,
+                    verdict.groups,
                 )
         return approval
+
+    def room(self, fleet: FleetView, group: tuple[str, object]) -> int | None:
+        """The least room the guards leave in ``group`` (see :meth:`MaxUnavailable.room`);
+        None when no guard groups by its key."""
+        rooms = [
+            room
+            for policy in self._role("guard")
+            if isinstance(policy, MaxUnavailable)
+            and (room := policy.room(fleet, group)) is not None
+        ]
+        return min(rooms) if rooms else None
 
     def _role(self, role: str) -> Iterable[Policy]:
         return (p for p in self.policies if p.role == role)
@@ -272,13 +314,28 @@ class _Table:
 
     def types(self, key: str, *, required: bool = False) -> frozenset[str] | None:
         value = self.data.pop(key, None)
-        if value is None:
+        deliberate = self.data.pop("unknown_event_types", None)
+        if deliberate is not None and (
+            not isinstance(deliberate, list) or not all(isinstance(v, str) for v in deliberate)
+        ):
+            raise ConfigError(f"{self._where('unknown_event_types')} must be a list of names")
+        if value is None and deliberate is None:
             if required:
                 raise ConfigError(f"{self._where(key)} is required (a list of EventType names)")
             return None
+        if value is None:
+            value = []
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise ConfigError(f"{self._where(key)} must be a list of EventType names")
-        return _types(value)
+        known = {t.value.casefold(): t.value for t in EventType}
+        for name in value:
+            if name.casefold() not in known:
+                raise ConfigError(
+                    f"{self._where(key)}: {name!r} is not an EventType (known: "
+                    f"{', '.join(known.values())}); name a type Azure added after this version "
+                    "in unknown_event_types = [...] instead"
+                )
+        return _types([*value, *(deliberate or [])])
 
     def number(self, key: str, *, integer: bool = False) -> float | None:
         value: Any = self.data.pop(key, None)
@@ -312,7 +369,7 @@ def parse_policy(data: Mapping[str, Any], source: str = "policy") -> PolicySet:
     if never is not None:
         table = _Table(source, "never", never)
         types = table.types("event_types", required=True)
-        table.done(["event_types"])
+        table.done(["event_types", "unknown_event_types"])
         assert types is not None
         policies.append(NeverApprove(types))
     approve = top.data.pop("approve", None)
@@ -321,7 +378,7 @@ def parse_policy(data: Mapping[str, Any], source: str = "policy") -> PolicySet:
         if "user_initiated" in approvers.data:
             table = _Table(source, "approve.user_initiated", approvers.data.pop("user_initiated"))
             policies.append(ApproveUserInitiated(table.types("event_types")))
-            table.done(["event_types"])
+            table.done(["event_types", "unknown_event_types"])
         if "freeze" in approvers.data:
             table = _Table(source, "approve.freeze", approvers.data.pop("freeze"))
             limit = table.number("max_duration_seconds", integer=True)
@@ -330,7 +387,7 @@ def parse_policy(data: Mapping[str, Any], source: str = "policy") -> PolicySet:
         if "hooks_done" in approvers.data:
             table = _Table(source, "approve.hooks_done", approvers.data.pop("hooks_done"))
             policies.append(ApproveWhenHooksDone(table.types("event_types")))
-            table.done(["event_types"])
+            table.done(["event_types", "unknown_event_types"])
         approvers.path = "approve"
         if approvers.data:
             key = sorted(approvers.data)[0]

@@ -1,5 +1,6 @@
-"""The fleet stream: every lifecycle message of the fleet, typed, filtered, deduplicated, with
-bad input dead-lettered and failing handlers retried a bounded number of times.
+"""The fleet stream: every lifecycle message of the fleet, authenticated, typed, filtered and
+deduplicated, with bad input dead-lettered and failing handlers retried a bounded number of
+times.
 
 Two ways to read it::
 
@@ -12,6 +13,22 @@ Two ways to read it::
     async def started(message: TransitionMessage) -> None: ...
     await stream.run()
 
+Both go through one path: receive (:meth:`_receive`, which opens the subscription again after a
+broker failure), admit (:meth:`_admit`: decode, authenticate, dedupe), then settle. Every
+delivery is settled exactly once, with one of: handled (acked, in batches where the broker
+allows), retried (a handler failed; dead-lettered ``handler-failed`` after ``max_attempts``), or
+dead-lettered with a :class:`DeadLetterReason` (bad input, a forged origin, an id conflict, or a
+handler's :class:`Rejected`). A broker failure while settling never ends the stream: it opens
+the subscription again and the broker delivers what was not settled once more (the dedupe
+window drops what was handled).
+
+A handler whose work must be durable before its message is acked can do that work for a whole
+batch at once: ``before_ack`` is awaited before the handled messages waiting for their ack are
+acked (and remembered as handled), so one commit serves up to ``ack_batch`` messages instead of
+one each (the approver with a database: :mod:`consumers._approver`). When it fails, they are
+neither acked nor remembered: the subscription is opened again and the broker delivers them
+once more.
+
 A consumer group scales out by running more processes on the same group name: the broker shares
 the group's queue between them (``exclusive=True``: one active consumer at a time, in order).
 """
@@ -20,10 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import random
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -31,35 +45,37 @@ from types import TracebackType
 from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 from schemas import (
-    AgentMessage,
-    ApprovalOutcomeMessage,
-    HookResultMessage,
     LifecycleMessage,
     MessageType,
+    NewerMessage,
+    RelayError,
     SchemaError,
-    TransitionMessage,
     TransportError,
     UnknownMessageType,
     VersionMismatch,
     decode,
+    decode_newer,
 )
-from schemas.channels import TYPE_PREFIX
+from schemas._backoff import Backoff
+from schemas.messages import content_digest, loads
+from schemas.origin import OriginVerifier
 from schemas.transport import Delivery, Subscription, Transport
 
 from ._dedupe import DedupeWindow
 from ._filters import MessageFilter
+from ._origin import Origin, Unauthenticated, authenticate
 
-__all__ = [
-    "DeadLetterReason",
-    "FleetStream",
-    "StreamStats",
-    "classify_bad_input",
-]
+__all__ = ["DeadLetterReason", "FleetStream", "Rejected", "StreamStats", "classify_bad_input"]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Awaitable[object]]
+#: (vm casefolded, message id): what the dedupe window remembers a message by.
+_Key = tuple[str, str]
 H = TypeVar("H", bound=Handler)
+
+#: Longest pause before the subscription is opened again after a broker failure.
+_REOPEN_CAP = 5.0
 
 
 class DeadLetterReason(StrEnum):
@@ -70,32 +86,21 @@ class DeadLetterReason(StrEnum):
     VERSION_MISMATCH = "version-mismatch"
     UNKNOWN_TYPE = "unknown-type"
     INVALID = "invalid"
+    #: The sender may not speak for the VM the message describes (see :mod:`consumers._origin`).
+    ORIGIN_MISMATCH = "origin-mismatch"
+    #: Another message was handled under this id: one of them is not what it claims.
+    ID_CONFLICT = "id-conflict"
     HANDLER_FAILED = "handler-failed"
 
 
-_TYPE = re.compile(rb'"type"\s*:\s*"([^"]{1,200})"')
-_ENVELOPE_OF: dict[bytes, type[Any]] = {
-    kind.cloudevents_type.encode(): envelope
-    for envelope in (TransitionMessage, ApprovalOutcomeMessage, AgentMessage, HookResultMessage)
-    for kind in envelope.kinds
-}
+class Rejected(RelayError):
+    """Raised by a handler for a message that must never be handled: it is dead-lettered at
+    once with ``reason`` (no retry)."""
 
-
-def fast_decode(raw: bytes) -> LifecycleMessage:
-    """:func:`schemas.decode`, in one pass of pydantic's own JSON parser when the ``type`` can
-    be read off the bytes. The envelope validates everything ``decode`` checks (specversion,
-    schemaversion, type), so a success is the same message; on any doubt ``decode`` decides
-    (and says what is wrong)."""
-    match = _TYPE.search(raw)
-    envelope = _ENVELOPE_OF.get(match.group(1)) if match is not None else None
-    if envelope is not None:
-        try:
-            message: LifecycleMessage = envelope.model_validate_json(raw)
-        except ValueError:
-            pass
-        else:
-            return message
-    return decode(raw)
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
 
 
 def classify_bad_input(raw: bytes, error: SchemaError) -> DeadLetterReason:
@@ -105,21 +110,12 @@ def classify_bad_input(raw: bytes, error: SchemaError) -> DeadLetterReason:
     if isinstance(error, UnknownMessageType):
         return DeadLetterReason.UNKNOWN_TYPE
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        data = loads(raw)
+    except SchemaError:
         return DeadLetterReason.NOT_JSON
     if not isinstance(data, dict) or data.get("specversion") is None or "type" not in data:
         return DeadLetterReason.NOT_CLOUDEVENT
     return DeadLetterReason.INVALID
-
-
-def _is_newer_minor_type(error: UnknownMessageType, raw: bytes) -> bool:
-    """A type of ours we do not know, in a major version we read: a newer minor added it."""
-    try:
-        type_ = json.loads(raw).get("type", "")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        return False
-    return isinstance(type_, str) and type_.startswith(TYPE_PREFIX + ".")
 
 
 @runtime_checkable
@@ -153,6 +149,12 @@ class StreamStats:
     skipped_unknown: int = 0
     retried: int = 0
     dead_lettered: int = 0
+    #: Dead-lettered because the sender may not speak for the VM (counted in dead_lettered too).
+    forged: int = 0
+    #: Dead-lettered because another message was handled under the same id (idem).
+    conflicts: int = 0
+    #: Times the subscription was opened again after a broker failure.
+    reconnects: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,20 +164,23 @@ class _Route:
     all: bool
 
 
+Admitted = LifecycleMessage | NewerMessage
+
+
 class FleetStream:
     """The lifecycle messages of consumer group ``group``.
 
-    ``max_attempts``: how many times a handler may fail on one message before it is
-    dead-lettered (``handler-failed``). ``dedupe``: the window of ids already handled.
-    ``transient``: read a copy of the stream that exists only while this stream is open (see
-    :meth:`~schemas.transport.Transport.subscribe`), for a viewer that must leave nothing
-    behind; a durable group keeps collecting messages after its last consumer stops.
-
-    Bad input never stops the stream: a message that is not JSON, not a CloudEvent, of another
-    major version or invalid is dead-lettered with its reason. A well-formed message of *our*
-    type prefix with a type this code does not know, in a major version it reads, is acked and
-    skipped with a warning: minor versions only add, so an agent upgraded first must not fill
-    every older consumer's dead-letter queue. A foreign type is dead-lettered (``unknown-type``).
+    ``origin``: who may speak for a VM (:class:`~consumers._origin.Origin`; ``signed`` needs a
+    ``verifier`` with the trusted attestation CA); None checks nothing (a library user's
+    choice; the services always pass one). ``newer``: a handler for
+    well-formed messages of a type this version does not know in a major version it reads (a
+    newer minor added it) — the audit records them; without one they are acked and skipped with
+    a warning (minor versions only add, so an agent upgraded first must not fill every older
+    consumer's dead-letter queue). ``max_attempts``: how many times a handler may fail on one
+    message before it is dead-lettered (``handler-failed``). ``dedupe``: the window of ids
+    already handled. ``transient``: read a copy of the stream that exists only while this stream
+    is open (see :meth:`~schemas.transport.Transport.subscribe`). ``before_ack``: awaited
+    before handled messages are acked (see the module docstring).
     """
 
     def __init__(
@@ -192,6 +197,10 @@ class FleetStream:
         ack_batch: int = 128,
         ack_interval: float = 0.02,
         transient: bool = False,
+        origin: Origin | None = None,
+        verifier: OriginVerifier | None = None,
+        newer: Handler | None = None,
+        before_ack: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -205,20 +214,33 @@ class FleetStream:
         self.max_attempts = max_attempts
         self.dedupe = dedupe if dedupe is not None else DedupeWindow()
         self.retry_delay = retry_delay
+        self.origin = origin
+        self.verifier = verifier
+        self.newer = newer
+        self.before_ack = before_ack
         # Where the transport can ack many deliveries in one frame, handled messages are acked
         # in batches of up to ack_batch, at the latest ack_interval seconds after handling.
         self.ack_batch = max(1, min(ack_batch, prefetch // 2 or 1))
         self.ack_interval = ack_interval
-        self._unacked: list[Delivery] = []
         self.stats = StreamStats()
+        self._unacked: list[Delivery] = []
+        #: Handled, not yet remembered in the dedupe window (before_ack comes first).
+        self._unremembered: dict[_Key, str] = {}
+        #: One flush at a time: an ack through a later delivery must not overtake a batch
+        #: still waiting for before_ack.
+        self._flushing = asyncio.Lock()
         self._routes: list[_Route] = []
         self._subscription: Subscription | None = None
         self._iterator: AsyncIterator[Delivery] | None = None
-        self._current: tuple[Delivery, LifecycleMessage] | None = None
+        self._broken = False
+        self._reopen = Backoff(0.1, _REOPEN_CAP)
+        self._current: tuple[Delivery, Admitted] | None = None
         self._stopping = False
         self._waiting = False
         self._run_task: asyncio.Task[Any] | None = None
         self._warned_types: set[str] = set()
+        #: The delivery whose message the handlers are given now (its ``sender``, say).
+        self.current_delivery: Delivery | None = None
 
     # ------------------------------------------------------------------------------ handlers
 
@@ -252,19 +274,23 @@ class FleetStream:
     # ---------------------------------------------------------------------------- lifecycle
 
     async def open(self) -> None:
-        if self._subscription is None:
-            # subscribe() declares the group's queue with the right exclusivity (declaring it
-            # first with declare_group would fix it as shared on RabbitMQ).
-            self._subscription = self.transport.subscribe(
-                self.group,
-                prefetch=self.prefetch,
-                exclusive=self.exclusive,
-                transient=self.transient,
-            )
-            self._iterator = aiter(self._subscription)
-            start = getattr(self._subscription, "start", None)
-            if start is not None:  # networked transports: consume now, fail early
+        """Subscribe (declaring the group's queue with the right exclusivity); networked
+        transports start consuming now, so a missing entity fails here."""
+        if self._subscription is not None:
+            return
+        subscription = self.transport.subscribe(
+            self.group, prefetch=self.prefetch, exclusive=self.exclusive, transient=self.transient
+        )
+        start = getattr(subscription, "start", None)
+        if start is not None:
+            try:
                 await start()
+            except BaseException:
+                await subscription.close()
+                raise
+        self._subscription = subscription
+        self._iterator = aiter(subscription)
+        self._broken = False
 
     async def close(self, *, handled: bool = True) -> None:
         """Stop. The message the iteration returned last is acked when ``handled``, otherwise
@@ -272,13 +298,25 @@ class FleetStream:
         current, self._current = self._current, None
         if current is not None:
             if handled:
-                await self._done(*current)
+                await self._handled(*current)
             else:
-                await self._failed(current[0], current[1], None)
+                await self._settle(current[0].retry(), current[0])
+        await self._flush()
+        await self._drop_subscription()
+
+    async def _drop_subscription(self) -> None:
         subscription, self._subscription = self._subscription, None
         self._iterator = None
+        # Their channel is going: the broker delivers them again, and what was handled is
+        # remembered, so a redelivery is dropped.
+        async with self._flushing:
+            await self._remember()
+            self._unacked.clear()
         if subscription is not None:
-            await subscription.close()
+            try:
+                await subscription.close()
+            except TransportError as exc:
+                log.debug("group %s: closing the subscription failed: %s", self.group, exc)
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -292,11 +330,58 @@ class FleetStream:
     ) -> None:
         await self.close(handled=exc_type is None)
 
+    @property
+    def subscribed(self) -> bool:
+        """Whether the broker subscription is up (False while it is being opened again)."""
+        return self._subscription is not None and not self._broken
+
     def stop(self) -> None:
         """Ask :meth:`run` to return after the message in hand (at once when idle)."""
         self._stopping = True
         if self._waiting and self._run_task is not None and not self._run_task.done():
             self._run_task.cancel()
+
+    # ----------------------------------------------------------------------------- receiving
+
+    async def _receive(self) -> Delivery:
+        """The next delivery; after a broker failure (here or while settling) the subscription
+        is opened again, with a capped, jittered pause, for as long as it takes."""
+        while True:
+            if self._broken or self._iterator is None:
+                if self._subscription is None and self._iterator is None and not self._broken:
+                    raise RuntimeError(
+                        "open the stream first: `async with FleetStream(...) as stream`"
+                    )
+                await self._reconnect()
+                continue
+            try:
+                delivery = await anext(self._iterator)
+            except TransportError as exc:
+                log.warning(
+                    "group %s: the subscription failed (%s); opening it again", self.group, exc
+                )
+                self._broken = True
+                continue
+            self._reopen.reset()
+            return delivery
+
+    async def _reconnect(self) -> None:
+        await self._drop_subscription()
+        self._broken = True
+        delay = self._reopen.next()
+        await asyncio.sleep(delay)
+        try:
+            await self.open()
+        except TransportError as exc:
+            log.warning(
+                "group %s: opening the subscription again failed (%s); next try in up to %.1f s",
+                self.group,
+                exc,
+                _REOPEN_CAP,
+            )
+            return
+        self.stats.reconnects += 1
+        log.info("group %s: subscribed again; unsettled messages come back", self.group)
 
     # ---------------------------------------------------------------------------- iteration
 
@@ -304,22 +389,29 @@ class FleetStream:
         return self
 
     async def __anext__(self) -> LifecycleMessage:
-        if self._iterator is None:
+        if self._iterator is None and not self._broken:
             raise RuntimeError("open the stream first: `async with FleetStream(...) as stream`")
         current, self._current = self._current, None
         if current is not None:
-            await self._done(*current)
+            await self._handled(*current)
         while True:
-            delivery = await anext(self._iterator)
-            message = await self._admit(delivery)
-            if message is None:
+            try:
+                delivery = await self._receive()
+            except StopAsyncIteration:
+                raise
+            admitted = await self._admit(delivery)
+            if admitted is None:
                 continue
-            if not self.filter.matches(message):
+            if isinstance(admitted, NewerMessage):
+                await self._handled(delivery, admitted)
+                continue
+            if not self._all and not self.filter.matches(admitted):
                 self.stats.filtered += 1
-                await delivery.ack()
+                await self._settle(delivery.ack(), delivery)
                 continue
-            self._current = (delivery, message)
-            return message
+            self._current = (delivery, admitted)
+            self.current_delivery = delivery
+            return admitted
 
     # ------------------------------------------------------------------------------ running
 
@@ -330,13 +422,12 @@ class FleetStream:
         self._run_task = asyncio.current_task()
         self._stopping = False
         await self.open()
-        assert self._iterator is not None
         flusher = asyncio.create_task(self._flush_regularly())
         try:
             while not self._stopping:
                 self._waiting = True
                 try:
-                    delivery = await anext(self._iterator)
+                    delivery = await self._receive()
                 except StopAsyncIteration:
                     break
                 except asyncio.CancelledError:
@@ -352,132 +443,243 @@ class FleetStream:
             flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
-            await self._flush()
             await self.close(handled=False)
 
     async def process(self, delivery: Delivery, *, batch: bool = False) -> None:
-        """Parse, dedupe, filter, dispatch and settle one delivery (``batch``: the ack may wait
-        for the batch, see ``ack_batch``)."""
-        message = await self._admit(delivery)
-        if message is None:
+        """Admit, filter, dispatch and settle one delivery (``batch``: the ack may wait for the
+        batch, see ``ack_batch``)."""
+        admitted = await self._admit(delivery)
+        if admitted is None:
             return
-        if not self._all and not self.filter.matches(message):
+        if isinstance(admitted, NewerMessage):
+            handlers: list[Handler] = [self.newer] if self.newer is not None else []
+        elif not self._all and not self.filter.matches(admitted):
             self.stats.filtered += 1
-            await delivery.ack()
+            await self._settle(delivery.ack(), delivery)
             return
+        else:
+            handlers = [r.handler for r in self._routes if r.all or r.filter.matches(admitted)]
+        self.current_delivery = delivery
         try:
-            for route in self._routes:
-                if route.all or route.filter.matches(message):
-                    await route.handler(message)
-        except Exception as exc:  # a handler's failure: retried, then dead-lettered
-            await self._failed(delivery, message, exc)
+            for handler in handlers:
+                await handler(admitted)
+        except Rejected as rejected:
+            await self._dead_letter(delivery, rejected.reason, rejected.detail)
             return
-        await self._done(delivery, message, batch=batch)
+        except Exception as exc:  # a handler's failure: retried, then dead-lettered
+            await self._failed(delivery, admitted, exc)
+            return
+        await self._handled(delivery, admitted, batch=batch)
+
+    # ------------------------------------------------------------------------------ admitting
+
+    async def _admit(self, delivery: Delivery) -> Admitted | None:
+        """The message to handle, or None when it was settled here (bad, forged, duplicate,
+        skipped)."""
+        self.stats.received += 1
+        body = delivery.body
+        message: Admitted
+        try:
+            message = decode(body)
+        except UnknownMessageType as exc:
+            try:
+                message = decode_newer(body)
+            except SchemaError:
+                await self._bad_input(delivery, body, exc)
+                return None
+            if self.newer is None:
+                await self._skip_newer(delivery, exc)
+                return None
+        except SchemaError as exc:
+            await self._bad_input(delivery, body, exc)
+            return None
+        if self.origin is not None:
+            try:
+                authenticate(message, delivery, self.origin, self.verifier)
+            except Unauthenticated as exc:
+                self.stats.forged += 1
+                log.warning(
+                    "group %s: message %s about VM %s from broker user %r dead-lettered "
+                    "(origin-mismatch): %s",
+                    self.group,
+                    message.id,
+                    _vm_of(message),
+                    delivery.sender,
+                    exc,
+                )
+                await self._dead_letter(
+                    delivery, DeadLetterReason.ORIGIN_MISMATCH.value, str(exc)[:1000]
+                )
+                return None
+        key = (_vm_of(message).casefold(), message.id)
+        seen = self.dedupe.get(key)
+        if seen is None:
+            seen = self._unremembered.get(key)
+        if seen is None:
+            return message
+        if seen and seen != content_digest(message):
+            self.stats.conflicts += 1
+            log.error(
+                "group %s: message %s from VM %s says something else than the message handled "
+                "under the same id: dead-lettered (id-conflict); one of them is not what it "
+                "claims",
+                self.group,
+                message.id,
+                _vm_of(message),
+            )
+            await self._dead_letter(
+                delivery,
+                DeadLetterReason.ID_CONFLICT.value,
+                f"id {message.id} was handled already with other content",
+            )
+            return None
+        self.stats.duplicates += 1
+        log.debug("group %s: message %s handled already: acked", self.group, message.id)
+        await self._settle(delivery.ack(), delivery)
+        return None
+
+    async def _bad_input(self, delivery: Delivery, body: bytes, exc: SchemaError) -> None:
+        reason = classify_bad_input(body, exc)
+        log.warning(
+            "group %s: message %s dead-lettered (%s): %s",
+            self.group,
+            delivery.message_id or "(no id)",
+            reason.value,
+            str(exc)[:300],
+        )
+        await self._dead_letter(delivery, reason.value, str(exc)[:1000])
+
+    async def _skip_newer(self, delivery: Delivery, exc: UnknownMessageType) -> None:
+        self.stats.skipped_unknown += 1
+        if str(exc) not in self._warned_types:
+            self._warned_types.add(str(exc))
+            log.warning(
+                "group %s: skipping a message type this version does not know (%s); a newer "
+                "agent sends it. Upgrade the consumers to handle it.",
+                self.group,
+                exc,
+            )
+        await self._settle(delivery.ack(), delivery)
 
     # ------------------------------------------------------------------------------ settling
 
-    async def _admit(self, delivery: Delivery) -> LifecycleMessage | None:
-        """The message to handle, or None when it was settled here (bad, duplicate, skipped)."""
-        self.stats.received += 1
-        body = delivery.body
+    async def _settle(self, operation: Awaitable[None], delivery: Delivery) -> bool:
+        """Run one settlement; a broker failure marks the subscription for reopening (the
+        broker delivers the message again) instead of ending the stream."""
         try:
-            message = fast_decode(body)
-        except SchemaError as exc:
-            if isinstance(exc, UnknownMessageType) and _is_newer_minor_type(exc, body):
-                self.stats.skipped_unknown += 1
-                if str(exc) not in self._warned_types:
-                    self._warned_types.add(str(exc))
-                    log.warning(
-                        "group %s: skipping a message type this version does not know (%s); "
-                        "a newer agent sends it. Upgrade the consumers to handle it.",
-                        self.group,
-                        exc,
-                    )
-                await delivery.ack()
-                return None
-            reason = classify_bad_input(body, exc)
-            self.stats.dead_lettered += 1
+            await operation
+        except TransportError as exc:
             log.warning(
-                "group %s: message %s dead-lettered (%s): %s",
+                "group %s: settling message %s failed (%s); the subscription is opened again "
+                "and the broker delivers it again",
                 self.group,
-                delivery.message_id or "(no id)",
-                reason.value,
+                delivery.message_id,
                 exc,
             )
-            await delivery.dead_letter(reason.value, str(exc)[:1000])
-            return None
-        if message.id in self.dedupe:
-            self.stats.duplicates += 1
-            log.debug("group %s: message %s handled already: acked", self.group, message.id)
-            await delivery.ack()
-            return None
-        return message
+            self._broken = True
+            return False
+        return True
 
-    async def _done(
-        self, delivery: Delivery, message: LifecycleMessage, *, batch: bool = False
-    ) -> None:
-        self.dedupe.add(message.id)
+    async def _dead_letter(self, delivery: Delivery, reason: str, description: str) -> None:
+        self.stats.dead_lettered += 1
+        await self._settle(delivery.dead_letter(reason, description), delivery)
+
+    async def _handled(self, delivery: Delivery, message: Admitted, *, batch: bool = False) -> None:
+        self._unremembered[(_vm_of(message).casefold(), message.id)] = content_digest(message)
         self.stats.handled += 1
-        if batch and self.ack_batch > 1 and _acks_through(delivery):
+        later = self.before_ack is not None or _acks_through(delivery)
+        if batch and self.ack_batch > 1 and later:
             self._unacked.append(delivery)
             if len(self._unacked) >= self.ack_batch:
                 await self._flush()
             return
-        await delivery.ack()
+        if await self._remember():
+            await self._settle(delivery.ack(), delivery)
+        else:
+            self._broken = True
+
+    async def _remember(self) -> bool:
+        """``before_ack``, then remember what was handled; False (nothing remembered) when
+        ``before_ack`` failed."""
+        if not self._unremembered:
+            return True
+        handled, self._unremembered = self._unremembered, {}
+        if self.before_ack is not None:
+            try:
+                await self.before_ack()
+            except Exception as exc:  # its messages come back: the broker delivers them again
+                log.error(
+                    "group %s: committing %d handled message(s) failed (%s): not acked; the "
+                    "subscription is opened again and the broker delivers them again",
+                    self.group,
+                    len(handled),
+                    exc,
+                    exc_info=exc,
+                )
+                return False
+        for key, digest in handled.items():
+            self.dedupe.add(key, digest)
+        return True
 
     async def _flush(self) -> None:
-        """Ack every handled delivery waiting for its batch, in one frame."""
-        if not self._unacked:
-            return
-        batch, self._unacked = self._unacked, []
-        last = batch[-1]
-        assert isinstance(last, _AcksThrough)
-        try:
-            await last.ack_through()
-        except TransportError as exc:
-            # The link went: the broker delivers them again, and the dedupe window drops them.
-            log.warning(
-                "group %s: acking %d handled messages failed: %s", self.group, len(batch), exc
-            )
+        """Ack every handled delivery waiting for its batch (in one frame where the transport
+        acks through), after ``before_ack``."""
+        async with self._flushing:
+            batch, self._unacked = self._unacked, []
+            if not await self._remember():
+                self._broken = True
+                return
+            if not batch:
+                return
+            last = batch[-1]
+            if isinstance(last, _AcksThrough):
+                await self._settle(last.ack_through(), last)
+                return
+            for delivery in batch:
+                if not await self._settle(delivery.ack(), delivery):
+                    return
 
     async def _flush_regularly(self) -> None:
         while True:
             await asyncio.sleep(self.ack_interval)
             await self._flush()
 
-    async def _failed(
-        self, delivery: Delivery, message: LifecycleMessage, error: BaseException | None
-    ) -> None:
+    async def _failed(self, delivery: Delivery, message: Admitted, error: BaseException) -> None:
         attempt = delivery.delivery_count + 1
-        what = "the consumer stopped" if error is None else f"{type(error).__name__}: {error}"
-        if error is not None and attempt >= self.max_attempts:
-            self.stats.dead_lettered += 1
+        what = f"{type(error).__name__}: {error}"
+        kind = message.type.rsplit(".", 1)[-1]
+        if attempt >= self.max_attempts:
             log.error(
                 "group %s: message %s (%s) failed %d times, dead-lettered: %s",
                 self.group,
                 message.id,
-                message.kind.value,
+                kind,
                 attempt,
                 what,
                 exc_info=error,
             )
-            await delivery.dead_letter(
+            await self._dead_letter(
+                delivery,
                 DeadLetterReason.HANDLER_FAILED.value,
                 f"failed {attempt} times; last error {what}"[:1000],
             )
             return
         self.stats.retried += 1
-        if error is not None:
-            log.warning(
-                "group %s: message %s (%s) failed (attempt %d of %d), retrying: %s",
-                self.group,
-                message.id,
-                message.kind.value,
-                attempt,
-                self.max_attempts,
-                what,
-            )
-            # Back off a little (capped, jittered) so a failing dependency gets a breath.
-            delay = min(self.retry_delay * 2 ** (attempt - 1), 1.0)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-        await delivery.retry()
+        log.warning(
+            "group %s: message %s (%s) failed (attempt %d of %d), retrying: %s",
+            self.group,
+            message.id,
+            kind,
+            attempt,
+            self.max_attempts,
+            what,
+        )
+        # Back off a little (capped, jittered) so a failing dependency gets a breath.
+        backoff = Backoff(self.retry_delay, max(self.retry_delay, 1.0))
+        backoff.attempt = attempt - 1
+        await asyncio.sleep(backoff.next())
+        await self._settle(delivery.retry(), delivery)
+
+
+def _vm_of(message: Admitted) -> str:
+    return message.vm_name if isinstance(message, NewerMessage) else message.vm.name

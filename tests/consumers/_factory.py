@@ -21,7 +21,7 @@ from schemas import (
 )
 
 T0 = datetime(2025, 1, 6, 12, 0, tzinfo=UTC)
-APPROVALS = "scheduled-events.approvals"
+APPROVALS = "scheduled-events.vm-approvals"
 
 
 def vm(

@@ -14,6 +14,7 @@ from consumers._approver import ApproverService
 from consumers._cli import main
 from schemas import Approval, key_id, load_public_keys, verify
 from schemas.approvals import generate_signing_key
+from schemas.messages import AgentMessage, TransitionMessage
 from schemas.transport import MemoryTransport
 from schemas.wire import lifecycle_message
 
@@ -100,7 +101,11 @@ async def test_a_rejected_approval_is_sent_to_another_live_vm(transport):
     first = await next_approval(transport, "a")
     rejected = outcome(vm("a"), ev, applied=False, at=now).model_copy(deep=True)
     rejected = rejected.model_copy(
-        update={"data": rejected.data.model_copy(update={"reason": "observe-only"})}
+        update={
+            "data": rejected.data.model_copy(
+                update={"reason": "observe-only", "approval_id": first.approval_id}
+            )
+        }
     )
     await transport.publish(lifecycle_message(rejected))
     second = await next_approval(transport, "b")
@@ -113,8 +118,9 @@ async def test_a_rejected_approval_is_sent_to_another_live_vm(transport):
 async def test_the_sender_needs_a_vm_for_an_event_it_never_heard_of(transport):
     sender = ApprovalSender(transport, generate_signing_key(), fleet=FleetView())
     with pytest.raises(NoApprovalTarget, match="name the VM"):
-        await sender.approve("EVT-UNKNOWN")
-    await sender.approve("EVT-UNKNOWN", "web-3")  # named: the transport's reply address
+        await sender.approve("EVT-UNKNOWN", event_version="0" * 32)
+    # named: the transport's reply address
+    await sender.approve("EVT-UNKNOWN", "web-3", event_version="0" * 32)
     approval = await next_approval(transport, "web-3")
     assert approval.event_id == "EVT-UNKNOWN"
 
@@ -124,10 +130,13 @@ def test_keygen_then_manual_approve_from_the_command_line(tmp_path, capsys):
     assert "approver.pub" in capsys.readouterr().out
     assert main(["keygen", "--out", str(tmp_path)]) == 2  # never overwrites a key
     assert "refusing to overwrite" in capsys.readouterr().err
+    event_id = "8EE31A01-6A5F-4C1E-8E5A-7C2F0D1B9A33"
+    assert main(["approve", "EVT-42", "--vm", "web-7", "--signing-key", "k"]) == 2
+    assert "is not an EventId" in capsys.readouterr().err
     code = main(
         [
             "approve",
-            "EVT-42",
+            event_id,
             "--vm",
             "web-7",
             "--broker",
@@ -138,8 +147,27 @@ def test_keygen_then_manual_approve_from_the_command_line(tmp_path, capsys):
             "alice",
         ]
     )
+    assert code == 2  # no version of the event known: refused, saying what to pass
+    assert "--event-version" in capsys.readouterr().err
+    code = main(
+        [
+            "approve",
+            event_id,
+            "--vm",
+            "web-7",
+            "--broker",
+            "memory://cli",
+            "--signing-key",
+            str(tmp_path / "approver.key"),
+            "--decided-by",
+            "alice",
+            "--event-version",
+            "a" * 32,
+            "--no-wait",
+        ]
+    )
     assert code == 0
-    assert "of event EVT-42 sent to web-7" in capsys.readouterr().out
+    assert f"of event {event_id} version {'a' * 32}" in capsys.readouterr().out
 
     async def received() -> Approval:
         async with MemoryTransport("cli") as memory:
@@ -159,3 +187,37 @@ def test_the_command_line_explains_itself(capsys):
         assert command in text
     assert main(["approver", "--signing-key", "/nonexistent/key"]) == 2
     assert "cannot read the signing key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "announced",
+    [
+        # another channel (a 1.0 agent's direct exchange, or a hostile one)
+        {"channel": "scheduled-events.approvals", "key": "web-2"},
+        # another VM's queue: that VM would refuse the approval, and web-2 never gets it
+        {"channel": None, "key": "web-9"},
+    ],
+)
+async def test_an_announced_reply_address_never_redirects_an_approval(transport, announced):
+    """A VM's messages say where its approvals go (``reply_to``); the approver sends to the
+    VM's own address by the transport's convention whatever a message announces, so a bad or
+    hostile announcement neither stops the approver nor sends the approval elsewhere."""
+    service = ApproverService(transport, generate_signing_key())
+    now = datetime.now(UTC)
+    ev = event("EVT-A", source="User", resources=("web-2",))
+    own = transport.reply_address("web-2")
+    address = own.model_copy(update={k: v for k, v in announced.items() if v is not None})
+    messages: list[AgentMessage | TransitionMessage] = [
+        heartbeat(vm("web-2"), at=now),
+        transition("scheduled", ev, vm("web-2"), at=now),
+    ]
+    await transport.declare_group("approver")
+    runner = asyncio.create_task(service.run())
+    for message in messages:
+        data = message.data.model_copy(update={"reply_to": address})
+        await transport.publish(lifecycle_message(message.model_copy(update={"data": data})))
+    approval = await next_approval(transport, "web-2")
+    assert approval.vm == "web-2"
+    assert not runner.done()
+    service.stop()
+    await asyncio.wait_for(runner, 2)

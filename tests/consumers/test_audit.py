@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import pytest
 
-from consumers import Action, Verdict
-from consumers._audit import open_ledger
+from consumers import Action
+from consumers._audit import Appended, open_ledger
 from consumers._cli import main
 
 from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
@@ -43,11 +43,14 @@ async def test_history_of_an_event_and_of_a_vm_is_complete_and_in_order(ledger_u
     messages = scenario()
     async with open_ledger(ledger_url) as ledger:
         for message in reversed(messages):  # arrival order does not matter
-            assert await ledger.append(message)
-        assert not await ledger.append(messages[1])  # a redelivery: recorded once
+            assert await ledger.append(message) is Appended.NEW
+        # a redelivery: recorded once
+        assert await ledger.append(messages[1]) is Appended.DUPLICATE
         await ledger.append_decision(
             "EVT-7",
-            Verdict(Action.APPROVE, "user-initiated (EventSource User)", "user_initiated"),
+            Action.APPROVE.value,
+            "user-initiated (EventSource User)",
+            policy="user_initiated",
             decided_by="approver",
             target="web-1",
             event_type="Reboot",

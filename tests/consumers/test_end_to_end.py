@@ -61,7 +61,7 @@ async def test_policies_fleet_view_and_audit_on_live_events(
         open_transport(amqp_url, channels) as audit_link,
     ):
         approver = ApproverService(
-            approver_link, key, policies, ledger=ledger, on_decision=decisions.append
+            approver_link, key, policies, db=ledger.db, on_decision=decisions.append
         )
         audit = AuditService(audit_link, ledger)
         agents = [

@@ -58,7 +58,7 @@ def test_a_canceled_event_and_hooks_and_approval_outcomes():
     assert state.canceled
     assert state.phase.is_over
     assert list(view.events(open_only=True)) == []
-    assert view.prune(T0 + timedelta(hours=2)) == 1
+    assert view.prune(T0 + timedelta(hours=2)) == ["EVT-2"]
     assert view.event("EVT-2") is None
 
 

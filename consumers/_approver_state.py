@@ -1,0 +1,305 @@
+"""The approver's durable state: what the standby that takes over must know.
+
+Guarantee: when a message is acked, everything its handling changed is committed, in one
+transaction with the other messages of its batch — the message itself (what the fleet view is
+made of), the decisions it led to, and the approvals it signed (as ``sending``, before they go
+to the broker; ``sent`` in a later commit, once the broker took them). So an approver killed at
+any point (kill -9 included) leaves a state from which another one rebuilds the same fleet view
+(:meth:`ApproverState.load` replays the messages) and sends again, with the same id, any
+approval it cannot be sure went out.
+
+Two approvers of one group share the database; one is active at a time. Every commit moves the
+group's state version; a process that finds a version it did not write loads the state again
+before it decides anything (:meth:`ApproverState.sync`), so a standby that takes over never
+acts on what it knew when it started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from schemas import (
+    AgentMessage,
+    Approval,
+    LifecycleMessage,
+    ReplyAddress,
+    SchemaError,
+    decode,
+)
+
+from ._db import Database, Executor, as_time
+from ._fleet import FleetView, SentApproval
+
+__all__ = ["ApproverState", "Hold", "PendingApproval", "PlannedDecision"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingApproval:
+    """A signed approval and where it goes; ``sending`` until the broker took it."""
+
+    approval: Approval
+    address: ReplyAddress
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedDecision:
+    """A decision to record with the message that led to it."""
+
+    event_id: str
+    event_type: str | None
+    action: str
+    reason: str
+    policy: str
+    decided_by: str
+    event_version: str
+    at: datetime
+    target: str | None = None
+    approval_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """An operator's hold: the approver leaves the event to NotBefore."""
+
+    event_id: str
+    held_by: str
+    reason: str
+    at: datetime
+
+
+@dataclass(slots=True)
+class Loaded:
+    """What :meth:`ApproverState.load` found besides the fleet view."""
+
+    #: Approvals signed but not known to be sent: send them again (same id).
+    unsent: list[PendingApproval] = field(default_factory=list)
+    #: The last decision recorded for each open event: (action, reason).
+    last_decisions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    messages: int = 0
+
+
+_VERSION_KEY = "approver_state_version:{group}"
+
+
+class ApproverState:
+    """The state of approver group ``group`` in ``db``; ``writer`` names this process."""
+
+    def __init__(self, db: Database, group: str, *, writer: str | None = None) -> None:
+        self.db = db
+        self.group = group
+        self.writer = writer or uuid.uuid4().hex
+        self._key = _VERSION_KEY.format(group=group)
+        #: The version this process last wrote or read; None before the first load.
+        self.version: str | None = None
+
+    # ------------------------------------------------------------------------------ loading
+
+    async def current_version(self) -> str | None:
+        row = await self.db.fetchone("SELECT value FROM central_meta WHERE key = ?", self._key)
+        return None if row is None else str(row[0])
+
+    async def stale(self) -> bool:
+        """Whether another process wrote since this one last wrote or loaded."""
+        return await self.current_version() != self.version
+
+    async def load(self, fleet: FleetView) -> Loaded:
+        """Rebuild ``fleet`` from the stored messages (oldest first) and the approvals sent."""
+        version = await self.current_version()
+        loaded = Loaded()
+        rows = await self.db.fetch(
+            "SELECT raw FROM approver_messages WHERE grp = ? ORDER BY position", self.group
+        )
+        for (raw,) in rows:
+            try:
+                message = decode(bytes(raw))
+            except SchemaError as exc:  # only a downgrade could make a stored message unreadable
+                log.error("approver state: a stored message cannot be read (%s): skipped", exc)
+                continue
+            fleet.apply(message)
+            loaded.messages += 1
+        approvals = await self.db.fetch(
+            "SELECT event_id, event_version, target, reply_channel, reply_key, body, state, at "
+            "FROM approver_approvals WHERE grp = ? ORDER BY at",
+            self.group,
+        )
+        for event_id, version_sent, target, channel, key, body, status, at in approvals:
+            state = fleet.event(event_id)
+            if state is None:
+                continue
+            approval = Approval.from_bytes(bytes(body))
+            state.sent = SentApproval(approval.approval_id, version_sent, target, as_time(at))
+            fleet.refresh(state)
+            if status == "sending":
+                loaded.unsent.append(
+                    PendingApproval(approval, ReplyAddress(channel=channel, key=key))
+                )
+        open_ids = [s.event_id for s in fleet.events(open_only=True)]
+        for event_id in open_ids:
+            row = await self.db.fetchone(
+                "SELECT body FROM ledger_decisions WHERE event_id = ? "
+                "ORDER BY time DESC, position DESC LIMIT 1",
+                event_id,
+            )
+            if row is not None:
+                body = row[0] if isinstance(row[0], dict) else json.loads(row[0])
+                loaded.last_decisions[event_id] = (body["action"], body["reason"])
+        self.version = version
+        return loaded
+
+    # ------------------------------------------------------------------------------ writing
+
+    async def commit(
+        self,
+        messages: Sequence[LifecycleMessage],
+        decisions: Sequence[PlannedDecision],
+        approvals: Sequence[PendingApproval],
+        *,
+        sent: Sequence[str] = (),
+        forget: Sequence[str] = (),
+    ) -> None:
+        """In one transaction: the messages (an agent's own message replaces its previous
+        one), the decisions, the approvals as ``sending``, the approvals the broker took since
+        (``sent``), what pruned events were made of (``forget``), and a new state version.
+        Rows go in a few multi-row statements, whatever the number of messages."""
+        async with self.db.transaction() as tx:
+            await self._store_messages(tx, messages)
+            await _insert(
+                tx,
+                "INSERT INTO ledger_decisions (time, event_id, event_type, target, body)",
+                [(d.at, d.event_id, d.event_type, d.target, _decision_body(d)) for d in decisions],
+            )
+            await _insert(
+                tx,
+                "INSERT INTO approver_approvals (grp, approval_id, event_id, event_version, "
+                "target, reply_channel, reply_key, body, state, at)",
+                [
+                    (
+                        self.group,
+                        p.approval.approval_id,
+                        p.approval.event_id,
+                        p.approval.event_version or "",
+                        p.approval.vm,
+                        p.address.channel,
+                        p.address.key,
+                        p.approval.to_bytes(),
+                        "sending",
+                        p.approval.issued_at,
+                    )
+                    for p in approvals
+                ],
+                "ON CONFLICT (grp, approval_id) DO NOTHING",
+            )
+            await _where_in(
+                tx,
+                "UPDATE approver_approvals SET state = 'sent' WHERE grp = ? AND approval_id",
+                self.group,
+                sent,
+            )
+            for table in ("approver_messages", "approver_approvals"):
+                await _where_in(
+                    tx, f"DELETE FROM {table} WHERE grp = ? AND event_id", self.group, forget
+                )
+            await self._bump(tx)
+
+    async def _store_messages(self, tx: Executor, messages: Sequence[LifecycleMessage]) -> None:
+        """The messages, in order; of an agent's own messages (its identity and liveness) only
+        its last one is kept."""
+        last_own: dict[str, int] = {}
+        for index, message in enumerate(messages):
+            if isinstance(message, AgentMessage):
+                last_own[message.vm.name.casefold()] = index
+        await _where_in(
+            tx,
+            "DELETE FROM approver_messages WHERE grp = ? AND event_id IS NULL AND vm",
+            self.group,
+            list(last_own),
+        )
+        rows = []
+        for index, message in enumerate(messages):
+            vm = message.vm.name.casefold()
+            own = isinstance(message, AgentMessage)
+            if own and last_own[vm] != index:
+                continue
+            raw = message.received_bytes or message.to_bytes()
+            rows.append((self.group, message.id, None if own else message.subject, vm, raw))
+        await _insert(
+            tx,
+            "INSERT INTO approver_messages (grp, message_id, event_id, vm, raw)",
+            rows,
+            "ON CONFLICT (grp, message_id) DO NOTHING",
+        )
+
+    async def _bump(self, tx: Executor) -> None:
+        version = f"{self.writer}:{uuid.uuid4().hex[:12]}"
+        await tx.execute(
+            "INSERT INTO central_meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            self._key,
+            version,
+        )
+        self.version = version
+
+    # -------------------------------------------------------------------------------- holds
+
+    async def holds(self) -> dict[str, Hold]:
+        rows = await self.db.fetch("SELECT event_id, held_by, reason, at FROM approver_holds")
+        return {row[0]: Hold(row[0], row[1], row[2], as_time(row[3])) for row in rows}
+
+    async def hold(self, event_id: str, *, held_by: str, reason: str) -> None:
+        await self.db.execute(
+            "INSERT INTO approver_holds (event_id, held_by, reason, at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (event_id) DO UPDATE SET held_by = excluded.held_by, "
+            "reason = excluded.reason, at = excluded.at",
+            event_id,
+            held_by,
+            reason,
+            datetime.now(UTC),
+        )
+
+    async def release(self, event_id: str) -> bool:
+        return bool(
+            await self.db.execute("DELETE FROM approver_holds WHERE event_id = ?", event_id)
+        )
+
+
+#: Rows per multi-row statement (far under either database's limit on parameters).
+_CHUNK = 100
+
+
+async def _insert(
+    tx: Executor, head: str, rows: Sequence[tuple[object, ...]], tail: str = ""
+) -> None:
+    """``head VALUES (...), (...) tail`` for every row, in order, a chunk at a time."""
+    for start in range(0, len(rows), _CHUNK):
+        chunk = rows[start : start + _CHUNK]
+        row = "(" + ", ".join("?" * len(chunk[0])) + ")"
+        values = ", ".join([row] * len(chunk))
+        await tx.execute(f"{head} VALUES {values} {tail}", *[v for r in chunk for v in r])
+
+
+async def _where_in(tx: Executor, head: str, first: object, keys: Sequence[str]) -> None:
+    """``head IN (...)`` (``head`` ends with the column), ``first`` its first parameter."""
+    for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start : start + _CHUNK]
+        await tx.execute(f"{head} IN ({', '.join('?' * len(chunk))})", first, *chunk)
+
+
+def _decision_body(decision: PlannedDecision) -> str:
+    return json.dumps(
+        {
+            "action": decision.action,
+            "reason": decision.reason,
+            "policy": decision.policy,
+            "decided_by": decision.decided_by,
+            "target": decision.target,
+            "event_version": decision.event_version,
+            "approval_id": decision.approval_id,
+        }
+    )

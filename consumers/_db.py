@@ -1,0 +1,371 @@
+"""One small database API over SQLite and PostgreSQL, so every statement is written once.
+
+Statements use ``?`` placeholders; :class:`PostgresDatabase` numbers them (``$1``, ``$2``...)
+for asyncpg. Values cross the boundary as Python values: ``datetime`` (aware, UTC), ``bytes``,
+``str``, ``int``, ``None``; SQLite keeps times as ISO 8601 text in one fixed format (so they
+sort and compare as text), PostgreSQL as ``timestamptz`` — :func:`as_time` reads either back.
+Only the schema (DDL) is per backend.
+
+::
+
+    async with open_database("sqlite:///audit.db") as db:
+        async with db.transaction() as tx:
+            await tx.execute("INSERT INTO t (a, b) VALUES (?, ?)", 1, "x")
+        rows = await db.fetch("SELECT a, b FROM t WHERE a > ?", 0)
+
+SQLite work runs on aiosqlite's thread, one statement or transaction at a time (a lock), in WAL
+mode; PostgreSQL uses a small asyncpg pool. Failures are :class:`DatabaseError` (with the
+database's own words), or :class:`~schemas.TransportError` when the server cannot be reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from abc import abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
+
+from schemas import ConfigError, RelayError, TransportError
+from schemas.transport import AsyncResource, redact
+
+__all__ = [
+    "Database",
+    "DatabaseError",
+    "Executor",
+    "PostgresDatabase",
+    "SqliteDatabase",
+    "as_time",
+    "database_exists",
+    "open_database",
+]
+
+Dialect = Literal["sqlite", "postgres"]
+
+
+class DatabaseError(RelayError):
+    """A statement the database refused (a constraint, a permission, a missing table...)."""
+
+
+def _iso(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def as_time(value: object) -> datetime:
+    """A time read from either backend (``timestamptz`` or SQLite's ISO text), aware UTC."""
+    if isinstance(value, datetime):
+        return value.astimezone(UTC)
+    if isinstance(value, str):
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
+    raise TypeError(f"not a time: {value!r}")
+
+
+class Executor(Protocol):
+    """What a statement runs on: the database itself or an open transaction."""
+
+    async def execute(self, sql: str, *args: object) -> int:
+        """Run a statement; how many rows it changed."""
+        ...
+
+    async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]: ...
+
+    async def fetchone(self, sql: str, *args: object) -> tuple[Any, ...] | None: ...
+
+
+class Database(AsyncResource):
+    """A connected database; :meth:`transaction` for several statements at once."""
+
+    dialect: Dialect
+    #: Where it is, safe to log.
+    display: str
+
+    @abstractmethod
+    async def execute(self, sql: str, *args: object) -> int: ...
+
+    @abstractmethod
+    async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]: ...
+
+    async def fetchone(self, sql: str, *args: object) -> tuple[Any, ...] | None:
+        rows = await self.fetch(sql, *args)
+        return rows[0] if rows else None
+
+    @abstractmethod
+    def transaction(self) -> contextlib.AbstractAsyncContextManager[Executor]:
+        """Statements that commit together or not at all."""
+
+    @abstractmethod
+    async def script(self, ddl: str) -> None:
+        """Run several ``;``-separated statements of this backend's own DDL, in one transaction."""
+
+
+# --------------------------------------------------------------------------------------- SQLite
+
+
+def _sqlite_value(value: object) -> object:
+    return _iso(value) if isinstance(value, datetime) else value
+
+
+class _SqliteTransaction:
+    def __init__(self, db: Any) -> None:
+        self._db = db
+
+    async def execute(self, sql: str, *args: object) -> int:
+        cursor = await self._db.execute(sql, tuple(_sqlite_value(a) for a in args))
+        count: int = cursor.rowcount
+        await cursor.close()
+        return count
+
+    async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        async with self._db.execute(sql, tuple(_sqlite_value(a) for a in args)) as cursor:
+            return [tuple(row) for row in await cursor.fetchall()]
+
+    async def fetchone(self, sql: str, *args: object) -> tuple[Any, ...] | None:
+        rows = await self.fetch(sql, *args)
+        return rows[0] if rows else None
+
+
+class SqliteDatabase(Database):
+    """One SQLite file in WAL mode. ``create`` False refuses a file that does not exist."""
+
+    dialect: Dialect = "sqlite"
+
+    def __init__(self, path: Path, *, create: bool = True) -> None:
+        self.path = path
+        self.display = str(path)
+        self._create = create
+        self._db: Any = None
+        self._lock = asyncio.Lock()
+
+    async def connect(self) -> None:
+        import aiosqlite
+
+        if self._db is not None:
+            return
+        path = self.path
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{path} is not a database file (it is a directory or a device)")
+        if not path.exists():
+            if not self._create:
+                raise ConfigError(f"no database at {path}: nothing has been recorded there")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"cannot create {path.parent}: {exc.strerror}") from exc
+        try:
+            db = await aiosqlite.connect(path, isolation_level=None)
+        except (aiosqlite.Error, OSError) as exc:
+            raise ConfigError(f"cannot open the database {path}: {exc}") from exc
+        try:
+            await db.execute("PRAGMA journal_mode=WAL")
+            await db.execute("PRAGMA synchronous=NORMAL")
+            await db.execute("PRAGMA busy_timeout=10000")
+            # A file that is not SQLite fails here, at the first read of the schema.
+            await db.execute("SELECT count(*) FROM sqlite_master")
+        except aiosqlite.Error as exc:
+            await db.close()
+            raise ConfigError(f"{path} is not a usable SQLite database: {exc}") from exc
+        self._db = db
+
+    async def close(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            await db.close()
+
+    def _conn(self) -> Any:
+        if self._db is None:
+            raise RuntimeError("open the database first (async with ...)")
+        return self._db
+
+    async def execute(self, sql: str, *args: object) -> int:
+        async with self.transaction() as tx:
+            return await tx.execute(sql, *args)
+
+    async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        import aiosqlite
+
+        async with self._lock:
+            try:
+                return await _SqliteTransaction(self._conn()).fetch(sql, *args)
+            except aiosqlite.Error as exc:
+                raise DatabaseError(f"{self.display}: {exc}") from exc
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Executor]:
+        import aiosqlite
+
+        async with self._lock:
+            db = self._conn()
+            try:
+                await db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield _SqliteTransaction(db)
+                except BaseException:
+                    await db.execute("ROLLBACK")
+                    raise
+                await db.execute("COMMIT")
+            except aiosqlite.Error as exc:
+                raise DatabaseError(f"{self.display}: {exc}") from exc
+
+    async def script(self, ddl: str) -> None:
+        import aiosqlite
+
+        async with self._lock:
+            try:
+                await self._conn().executescript(f"BEGIN IMMEDIATE;\n{ddl}\nCOMMIT;")
+            except aiosqlite.Error as exc:
+                with contextlib.suppress(aiosqlite.Error):
+                    await self._conn().execute("ROLLBACK")
+                raise DatabaseError(f"{self.display}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------------- PostgreSQL
+
+_PLACEHOLDER = re.compile(r"\?")
+
+
+def _numbered(sql: str) -> str:
+    """``?`` placeholders as asyncpg's ``$1, $2...`` (our statements hold no ``?`` in text)."""
+    counter = iter(range(1, 10_000))
+    return _PLACEHOLDER.sub(lambda _: f"${next(counter)}", sql)
+
+
+def _count(status: str) -> int:
+    last = status.rsplit(" ", 1)[-1]
+    return int(last) if last.isdigit() else 0
+
+
+class _PostgresTransaction:
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    async def execute(self, sql: str, *args: object) -> int:
+        return _count(await self._conn.execute(_numbered(sql), *args))
+
+    async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        return [tuple(row) for row in await self._conn.fetch(_numbered(sql), *args)]
+
+    async def fetchone(self, sql: str, *args: object) -> tuple[Any, ...] | None:
+        row = await self._conn.fetchrow(_numbered(sql), *args)
+        return None if row is None else tuple(row)
+
+
+class PostgresDatabase(Database):
+    """A PostgreSQL database through a small asyncpg pool."""
+
+    dialect: Dialect = "postgres"
+
+    def __init__(self, dsn: str, *, pool_size: int = 4) -> None:
+        self.dsn = dsn
+        self.display = redact(dsn)
+        self._pool_size = pool_size
+        self._pool: Any = None
+
+    async def connect(self) -> None:
+        try:
+            import asyncpg
+        except ImportError as exc:
+            raise ConfigError(
+                "PostgreSQL needs asyncpg: pip install 'scheduled-events-relay[postgres]'"
+            ) from exc
+        if self._pool is not None:
+            return
+        try:
+            self._pool = await asyncpg.create_pool(
+                self.dsn, min_size=1, max_size=self._pool_size, timeout=10
+            )
+        except asyncpg.InvalidCatalogNameError as exc:
+            raise ConfigError(f"the database of {self.display} does not exist: {exc}") from exc
+        except (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidPasswordError) as e:
+            raise ConfigError(f"PostgreSQL refused the login for {self.display}: {e}") from e
+        except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+            raise TransportError(f"cannot reach PostgreSQL at {self.display}: {exc}") from exc
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    def _require(self) -> Any:
+        if self._pool is None:
+            raise RuntimeError("open the database first (async with ...)")
+        return self._pool
+
+    async def execute(self, sql: str, *args: object) -> int:
+        async with self.transaction() as tx:
+            return await tx.execute(sql, *args)
+
+    async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        import asyncpg
+
+        try:
+            rows = await self._require().fetch(_numbered(sql), *args)
+        except asyncpg.PostgresError as exc:
+            raise DatabaseError(f"{self.display}: {exc}") from exc
+        except (OSError, asyncpg.InterfaceError) as exc:
+            raise TransportError(f"PostgreSQL at {self.display}: {exc}") from exc
+        return [tuple(row) for row in rows]
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Executor]:
+        import asyncpg
+
+        try:
+            async with self._require().acquire() as conn, conn.transaction():
+                yield _PostgresTransaction(conn)
+        except asyncpg.PostgresError as exc:
+            raise DatabaseError(f"{self.display}: {exc}") from exc
+        except (OSError, asyncpg.InterfaceError) as exc:
+            raise TransportError(f"PostgreSQL at {self.display}: {exc}") from exc
+
+    async def script(self, ddl: str) -> None:
+        async with self.transaction() as tx:
+            assert isinstance(tx, _PostgresTransaction)
+            await tx._conn.execute(ddl)
+
+
+# ---------------------------------------------------------------------------------------- open
+
+
+def _sqlite_path(url: str) -> Path | None:
+    text = url.strip()
+    scheme = urlsplit(text).scheme.lower()
+    if scheme == "sqlite":
+        # SQLAlchemy's convention: sqlite:///relative.db, sqlite:////absolute/path.db
+        path = text[len("sqlite:") :].removeprefix("//").removeprefix("/")
+        if not path:
+            raise ConfigError(f"{url!r}: give the SQLite file, sqlite:///audit.db")
+        return Path(path)
+    if scheme in ("postgresql", "postgres"):
+        return None
+    if scheme and len(scheme) > 1:  # a one-letter "scheme" is a Windows drive
+        raise ConfigError(
+            f"database {redact(url)!r} is not understood: use a file path, sqlite:///PATH or "
+            "postgresql://USER@HOST/DB"
+        )
+    return Path(text)
+
+
+def open_database(url: str, *, create: bool = True, pool_size: int = 4) -> Database:
+    """The database at ``url`` (a file path, ``sqlite:///PATH`` or ``postgresql://...``), not
+    connected yet (use ``async with``). ``create`` False: a SQLite file must exist already."""
+    path = _sqlite_path(url)
+    if path is None:
+        return PostgresDatabase(url.strip(), pool_size=pool_size)
+    return SqliteDatabase(path, create=create)
+
+
+def database_exists(url: str) -> bool | None:
+    """Whether a SQLite database is there (None for PostgreSQL: the server decides)."""
+    path = _sqlite_path(url)
+    return None if path is None else path.is_file()
+
+
+def placeholders(count: int) -> str:
+    return ", ".join("?" * count)
+
+
+Rows = Sequence[tuple[Any, ...]]

@@ -1,0 +1,130 @@
+"""An approval is bound to the version of the event its decider judged: an event that changed
+after it was approved is never started on the old judgement. The issue's own scenario, on the
+real RabbitMQ with the simulator over HTTP, a real agent and the approver:
+
+the policy approves a 5 s Freeze while the agent is down (the approval waits in the VM's queue);
+IMDS changes the event to a 30 s Freeze; the agent comes back, publishes ``updated``, refuses the
+old approval (``event-changed``) and does not POST; the approver decides again on the new
+version (wait, for the default policy)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+
+from consumers import Action, PolicySet
+from consumers._approver import ApproverService, Decision
+from consumers._audit import open_ledger
+from publisher import Agent, AgentSettings
+from publisher.simulator import EventSpec, EventState, EventType, Simulator, SimulatorConfig, serve
+from schemas import ApprovalOutcomeMessage, ChannelNames, MessageType, load_signing_key
+from schemas.approvals import write_key_pair
+from schemas.transport import open_transport
+from schemas.transport.rabbitmq import RabbitMQTransport
+
+from ..publisher.harness import recorder
+
+pytestmark = [pytest.mark.rabbitmq]
+
+
+async def _until(predicate, within: float = 15.0) -> None:
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 - other components' state
+            await asyncio.sleep(0.05)
+
+
+async def test_an_event_changed_after_its_approval_is_judged_again_and_never_posted(
+    amqp_url: str, tmp_path: Path
+) -> None:
+    channels = ChannelNames().suffixed(uuid.uuid4().hex[:10])
+    _, public = write_key_pair(tmp_path)
+    key = load_signing_key(tmp_path / "approver.key")
+    simulator = Simulator(SimulatorConfig(rate_limit=0), vms=["web-7"])
+    decisions: list[Decision] = []
+    try:
+        await _scenario(amqp_url, channels, public, key, simulator, tmp_path, decisions)
+    finally:
+        async with RabbitMQTransport(amqp_url, channels) as cleaner:
+            await cleaner.delete_topology(
+                groups=("approver", "audit"), vms=["web-7"], exchanges=True
+            )
+
+
+async def _scenario(amqp_url, channels, public, key, simulator, tmp_path, decisions) -> None:
+    async with (
+        serve(simulator) as server,
+        open_ledger(f"sqlite:///{tmp_path / 'central.db'}") as ledger,
+        open_transport(amqp_url, channels) as link,
+        recorder(amqp_url, channels) as rec,
+    ):
+        settings = AgentSettings(
+            imds_url=server.vm_url("web-7"),
+            broker=amqp_url,
+            state_dir=tmp_path / "state",
+            trust_keys=(public,),
+            poll_interval=0.2,
+            drain_timeout=3.0,
+            imds_first_timeout=5.0,
+            channels=channels,
+        )
+        # The approver's group exists from the start (it is a standing service).
+        await link.declare_group("approver", exclusive=True)
+        if True:
+            # 1. The agent sees the Freeze (5 s) and announces it, then goes down.
+            agent = Agent(settings)
+            run = asyncio.create_task(agent.run())
+            await agent.started(15)
+            freeze = simulator.add_event(
+                EventSpec(
+                    event_type=EventType.FREEZE, duration_in_seconds=5, not_before_seconds=900
+                )
+            )
+            await rec.wait_kind(MessageType.SCHEDULED)
+            agent.stop("down for the test")
+            await run
+            # 2. The approver approves it while the agent is down: the approval waits.
+            approver = ApproverService(
+                link, key, PolicySet.default(), db=ledger.db, on_decision=decisions.append
+            )
+            approving = asyncio.create_task(approver.run())
+            await _until(lambda: any(d.action is Action.APPROVE for d in decisions))
+            first = decisions[-1]
+            # 3. Azure changes the event: now a 30 s Freeze, a new version.
+            simulator.update_event(freeze.event_id, duration_in_seconds=30)
+            # 4. The agent comes back: updated, and the old approval refused.
+            agent = Agent(settings)
+            run = asyncio.create_task(agent.run())
+            await agent.started(15)
+            await rec.wait_kind(MessageType.UPDATED)
+            await rec.wait_kind(MessageType.APPROVAL_REJECTED)
+            await _until(
+                lambda: any(
+                    d.action is Action.WAIT and d.event_version != first.event_version
+                    for d in decisions
+                )
+            )
+            await asyncio.sleep(1.0)  # nothing more may happen
+            agent.stop("test over")
+            await run
+            approver.stop()
+            await approving
+            history = await ledger.history(event_id=freeze.event_id)
+
+    (rejected,) = rec.of(MessageType.APPROVAL_REJECTED)
+    assert isinstance(rejected, ApprovalOutcomeMessage)
+    assert rejected.data.reason == "event-changed"
+    assert rejected.data.event_version == first.event_version
+    assert [r.method for r in simulator.requests(vm="web-7") if r.method == "POST"] == []
+    assert simulator.get_event(freeze.event_id).state is EventState.SCHEDULED
+    # The approver: approve on the first version, then wait on the second (30 s is not short).
+    assert first.action is Action.APPROVE
+    later = [d for d in decisions if d.event_version != first.event_version]
+    assert [d.action for d in later] == [Action.WAIT]
+    assert "NotBefore" in later[0].reason
+    # Both decisions, with the versions judged, are in the audit history.
+    recorded = [(e.kind, e.body.get("event_version")) for e in history if e.record == "decision"]
+    assert ("decision.approve", first.event_version) in recorded
+    assert ("decision.wait", later[0].event_version) in recorded
