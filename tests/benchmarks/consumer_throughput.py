@@ -1,13 +1,18 @@
 """Consumer throughput on the real RabbitMQ: messages per second through parse, dedupe, handler
 and ack, for the consumers' FleetStream against a naive aio-pika consumer (manual ack per
-message, pydantic parse), in the same run, on the same queue contents.
+message, pydantic parse) and against the ceiling, a raw aiormq consumer that only counts and
+acks in batches (``basic.ack multiple``, no parsing), in the same run, on the same queue
+contents.
 
 Every consumer group gets its own copy of the stream, so one publish fills every queue with the
 same messages (transitions and heartbeats of a fleet, 5 % of them repeated as an agent does after
 a restart). Each consumer then drains its own queue; the figure is messages / wall seconds from
 the first message to the last ack.
 
-    python tests/benchmarks/consumer_throughput.py [--messages 20000] [--prefetch 256]
+    python tests/benchmarks/consumer_throughput.py [--messages 20000] [--prefetch 256] [--rounds 1]
+
+``--rounds N`` fills and drains the queues N times and prints each round (the machine is shared:
+one round is one sample).
 
 Prints figures; asserts nothing (a benchmark, not a test).
 """
@@ -25,6 +30,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aio_pika
+import aiormq
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
 
@@ -151,6 +157,36 @@ async def naive(url: str, queue: str, total: int, prefetch: int) -> float:
         await connection.close()
 
 
+async def raw(url: str, queue: str, total: int, prefetch: int, ack_batch: int) -> float:
+    """The ceiling: aiormq alone, no parsing, acks every ``ack_batch`` deliveries (and the
+    last) with ``multiple``."""
+    connection = await aiormq.connect(url)
+    try:
+        channel = await connection.channel()
+        await channel.basic_qos(prefetch_count=prefetch)
+        done = asyncio.get_running_loop().create_future()
+        count = 0
+        started = 0.0
+
+        async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
+            nonlocal count, started
+            if count == 0:
+                started = time.perf_counter()
+            count += 1
+            if count % ack_batch == 0 or count == total:
+                tag = message.delivery_tag
+                assert tag is not None
+                await channel.basic_ack(tag, multiple=True)
+            if count == total and not done.done():
+                done.set_result(time.perf_counter() - started)
+
+        await channel.basic_consume(queue, on_message, no_ack=False)
+        elapsed: float = await asyncio.wait_for(done, 300)
+        return total / elapsed
+    finally:
+        await connection.close()
+
+
 async def stream(
     url: str, channels: ChannelNames, group: str, total: int, prefetch: int, distinct: int
 ) -> tuple[float, dict[str, int]]:
@@ -188,41 +224,54 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--prefetch", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     channels = ChannelNames().suffixed(f"bench-{uuid.uuid4().hex[:8]}")
     messages = fleet_messages(args.messages)
     total = len(messages)
     distinct = len({m.id for m in messages})
-    groups = ["naive", "naive-p1", "stream"]
+    groups = ["raw", "naive", "naive-p1", "stream"]
     transport = open_transport(URL, channels)
     assert isinstance(transport, RabbitMQTransport)
+    ratios: list[float] = []
     async with transport:
         for group in groups:
             await transport.declare_group(group)
         try:
-            t0 = time.perf_counter()
-            await fill(transport, messages)
-            for group in groups:
-                await wait_depth(URL, transport.group_queue(group), total)
-            print(
-                f"{total} messages ({distinct} distinct, {total - distinct} repeats) in "
-                f"{len(groups)} queues, published in {time.perf_counter() - t0:.1f} s"
-            )
-            naive_rate = await naive(URL, transport.group_queue("naive"), total, args.prefetch)
-            print(f"naive aio-pika, prefetch {args.prefetch:<4}  {naive_rate:9.0f} msg/s")
-            naive1 = await naive(URL, transport.group_queue("naive-p1"), total, 1)
-            print(f"naive aio-pika, prefetch 1     {naive1:9.0f} msg/s")
-            rate, stats = await stream(URL, channels, "stream", total, args.prefetch, distinct)
-            print(
-                f"FleetStream, prefetch {args.prefetch:<4}     {rate:9.0f} msg/s  "
-                f"({stats['handled']} handled, {stats['duplicates']} repeats dropped)"
-            )
-            print(
-                f"FleetStream / naive (same prefetch): {rate / naive_rate:.2f}x; "
-                f"/ naive prefetch 1: {rate / naive1:.2f}x"
-            )
+            for round_ in range(1, args.rounds + 1):
+                t0 = time.perf_counter()
+                await fill(transport, messages)
+                for group in groups:
+                    await wait_depth(URL, transport.group_queue(group), total)
+                print(
+                    f"round {round_}: {total} messages ({distinct} distinct, "
+                    f"{total - distinct} repeats) in {len(groups)} queues, published in "
+                    f"{time.perf_counter() - t0:.1f} s"
+                )
+                # The stream's own ack batch, for a like-for-like ceiling.
+                ack_batch = max(1, min(128, args.prefetch // 2))
+                ceiling = await raw(
+                    URL, transport.group_queue("raw"), total, args.prefetch, ack_batch
+                )
+                print(f"raw aiormq (ceiling), prefetch {args.prefetch:<4} {ceiling:9.0f} msg/s")
+                naive_rate = await naive(URL, transport.group_queue("naive"), total, args.prefetch)
+                print(f"naive aio-pika, prefetch {args.prefetch:<4}  {naive_rate:9.0f} msg/s")
+                naive1 = await naive(URL, transport.group_queue("naive-p1"), total, 1)
+                print(f"naive aio-pika, prefetch 1     {naive1:9.0f} msg/s")
+                rate, stats = await stream(URL, channels, "stream", total, args.prefetch, distinct)
+                print(
+                    f"FleetStream, prefetch {args.prefetch:<4}     {rate:9.0f} msg/s  "
+                    f"({stats['handled']} handled, {stats['duplicates']} repeats dropped)"
+                )
+                ratios.append(rate / ceiling)
+                print(
+                    f"FleetStream / raw ceiling: {rate / ceiling:.0%}; / naive (same prefetch): "
+                    f"{rate / naive_rate:.2f}x; / naive prefetch 1: {rate / naive1:.2f}x"
+                )
         finally:
             await transport.delete_topology(groups=groups, exchanges=True)
+    if len(ratios) > 1:
+        print("FleetStream / ceiling per round: " + ", ".join(f"{r:.0%}" for r in ratios))
 
 
 if __name__ == "__main__":
