@@ -1,0 +1,411 @@
+"""The processes of the fleet benchmark (``fleet.py``), each run as ``python fleet.py --worker
+ROLE``: the first line on stdin is its spec (JSON), then commands, one JSON object a line;
+it answers with one JSON object a line on stdout (logs go to stderr).
+
+- ``sim``: one shard of the IMDS simulator in fleet mode (:class:`Simulator` with a
+  :class:`Topology` and ``SimulatorConfig(shard=...)``, served by :func:`serve`: uvicorn and
+  httptools). ``events`` adds events at a wall-clock time, all in one loop turn; ``progress``
+  counts events by state; ``report`` gives each event's life and the POSTs of each VM (of the
+  events ``ids`` only, when given); ``faults`` adds faults (:class:`FaultSpec` bodies) and
+  ``clear-faults`` drops the pending ones; ``cancel`` cancels the events ``ids`` still
+  Scheduled.
+- ``agents``: real agents (:class:`publisher.Agent`: IMDS client, state store in memory,
+  outbox, transport), many per process, sharing one broker connection per
+  ``agents_per_connection`` (RabbitMQ: a channel per agent for its approvals), started spread
+  over ``ramp`` seconds. ``stop`` stops them all (each drains its outbox) and reports. With
+  ``state_root`` each agent keeps its state store in ``state_root/<vm>`` (a process killed and
+  started again over the same directories resumes where its agents were).
+- ``approver`` / ``audit``: :class:`ApproverService` and :class:`AuditService` as the CLI runs
+  them (SQLite state and ledger), with one more handler on their stream that records every
+  message it is given (so duplicates reaching a handler, and transitions lost, are counted)
+  and, for the approver, every decision with its time. With ``journal`` that handler also
+  appends each message to that file as it is handled -- for the approver, once the commit that
+  acks it is done (``before_ack``) -- so what a process killed with SIGKILL handled is still
+  known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fleet")
+
+
+class LoopLag:
+    """How late the event loop runs a timer (a busy loop answers everything late)."""
+
+    def __init__(self, every: float = 0.1) -> None:
+        self.every = every
+        self.lags: list[float] = []
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.every
+            await asyncio.sleep(self.every)
+            self.lags.append(loop.time() - due)
+            if os.environ.get("FLEET_LAG") and self.lags[-1] > 0.5:
+                print(f"loop lag {self.lags[-1]:.2f} s at {time.strftime('%X')}", file=sys.stderr)
+
+    def report(self) -> dict[str, float]:
+        self._task.cancel()
+        ordered = sorted(self.lags) or [0.0]
+        return {
+            "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
+            "max": round(ordered[-1], 3),
+        }
+
+
+def _say(**values: Any) -> None:
+    sys.stdout.write(json.dumps(values) + "\n")
+    sys.stdout.flush()
+
+
+async def _commands() -> Any:
+    """The commands on stdin, one JSON object a line, until EOF."""
+    while True:
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line:
+            return
+        yield json.loads(line)
+
+
+# ------------------------------------------------------------------------------- simulator
+
+
+async def run_sim(spec: dict[str, Any]) -> None:
+    from publisher.simulator import (
+        EventSpec,
+        EventStateError,
+        EventType,
+        FaultSpec,
+        Shard,
+        Simulator,
+        SimulatorConfig,
+        Topology,
+        UnknownEventError,
+        serve,
+    )
+
+    shard = Shard(spec["shard"], spec["shards"])
+    config = SimulatorConfig(
+        rate_limit=spec["rate_limit"],
+        seed=spec["seed"],
+        shard=shard,
+        finished_events_kept=spec.get(
+            "finished_events_kept", 2 * spec["topology"]["scale_set_vms"]
+        ),
+    )
+    sim = Simulator(config, topology=Topology.fleet(**spec["topology"]))
+    async with serve(sim, port=0, shutdown_timeout=2) as server:
+        _say(url=server.base_url, vms=len(sim.served_vm_names()))
+        async for command in _commands():
+            op = command["op"]
+            if op == "events":
+                mine = [e for e in command["events"] if sim.serves(e["vm"])]
+                await asyncio.sleep(max(0.0, command["at"] - time.time()))
+                began = time.time()
+                for event in mine:
+                    sim.add_event(
+                        EventSpec(
+                            event_type=EventType.FREEZE,
+                            resources=(event["vm"],),
+                            duration_in_seconds=event["duration"],
+                            not_before_seconds=event["not_before"],
+                            event_id=event["id"],
+                            run_seconds=event.get("run_seconds"),
+                        )
+                    )
+                _say(added=len(mine), seconds=round(time.time() - began, 3))
+            elif op == "progress":
+                counts = Counter(e.state.value for e in sim.events())
+                _say(**counts)
+            elif op == "report":
+                wanted = set(command["ids"]) if "ids" in command else None
+                events = {
+                    e.event_id: {
+                        "vm": e.resources[0],
+                        "state": e.state.value,
+                        "created": e.created_at,
+                        "started": e.started_at,
+                        "ended": e.ended_at,
+                        "approvals": [[a.vm, a.time] for a in e.approvals],
+                    }
+                    for e in sim.events()
+                    if wanted is None or e.event_id in wanted
+                }
+                posts = {
+                    s.vm: s.count(method="POST")
+                    for s in sim.all_request_stats()
+                    if s.count(method="POST")
+                }
+                busiest = max((s.max_per_second for s in sim.all_request_stats()), default=0)
+                _say(events=events, posts=posts, busiest_vm_per_second=busiest)
+            elif op == "reset-stats":
+                sim.reset_request_stats()
+                _say(reset=True)
+            elif op == "faults":
+                for fault in command["faults"]:
+                    sim.add_fault(FaultSpec.model_validate(fault))
+                _say(added=len(command["faults"]))
+            elif op == "clear-faults":
+                _say(cleared=sim.clear_faults())
+            elif op == "cancel":
+                canceled = 0
+                for event_id in command["ids"]:
+                    try:
+                        sim.cancel_event(event_id)
+                    except UnknownEventError:
+                        continue  # another shard's
+                    except EventStateError:
+                        continue  # started or over already
+                    canceled += 1
+                _say(canceled=canceled)
+
+
+# ---------------------------------------------------------------------------------- agents
+
+
+async def run_agents(spec: dict[str, Any]) -> None:
+    from publisher import Agent, AgentSettings
+    from schemas import MessageType
+    from schemas.channels import ChannelNames
+    from schemas.transport import open_transport
+
+    channels = ChannelNames(**spec["channels"])
+    shared = spec["agents_per_connection"] > 0
+    vms: list[list[str]] = spec["vms"]  # [name, imds base url]
+    transports = []
+    if shared:
+        count = math.ceil(len(vms) / spec["agents_per_connection"])
+        for n in range(count):
+            transport = open_transport(spec["broker"], channels, name=f"fleet agents {n}")
+            await transport.connect()
+            transports.append(transport)
+    # One thread for every agent's SQLite here: a thousand threads of their own fight the event
+    # loop for the GIL when a burst makes them all commit at once.
+    state_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agents-state")
+    agents = []
+    state_root = spec.get("state_root")
+    for index, (name, url) in enumerate(vms):
+        settings = AgentSettings(
+            imds_url=url,
+            broker=spec["broker"],
+            state_dir=None if state_root is None else Path(state_root) / name,
+            poll_interval=spec["poll_interval"],
+            fast_poll_seconds=spec["fast_poll_seconds"],
+            trust_keys=(Path(spec["trust_key"]),),
+            log_level="WARNING",
+            channels=channels,
+            imds_first_timeout=30.0,
+            imds_timeout=spec.get("imds_timeout", 5.0),
+        )
+        given = transports[index // spec["agents_per_connection"]] if shared else None
+        agents.append(
+            Agent(
+                settings,
+                transport=given,
+                close_transport=not shared,
+                state_executor=state_thread,
+            )
+        )
+    start_at = spec["start_at"]
+    ramp = spec["ramp"]
+
+    async def one(index: int, agent: Agent) -> None:
+        await asyncio.sleep(max(0.0, start_at + ramp * index / len(agents) - time.time()))
+        await agent.run()
+
+    lag = LoopLag()
+    if os.environ.get("FLEET_LAG"):
+        began_gc = [0.0]
+
+        def timing(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                began_gc[0] = time.perf_counter()
+            elif (spent := time.perf_counter() - began_gc[0]) > 0.1:
+                print(f"gc gen {info['generation']} {spent:.2f} s", file=sys.stderr)
+
+        gc.callbacks.append(timing)
+    tasks = [asyncio.create_task(one(i, a)) for i, a in enumerate(agents)]
+    began = time.time()
+    waits: set[asyncio.Future[Any]] = {
+        asyncio.gather(*(a.ready.wait() for a in agents)),
+        asyncio.ensure_future(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)),
+    }
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    # A thousand agents' objects in one heap: the collector's full passes over them stopped the
+    # loop for 0.2-1.1 s every few seconds (measured with gc.callbacks). An agent alone on its
+    # VM has a heap a thousand times smaller; here what exists once they run is frozen.
+    gc.freeze()
+    failed = [t for t in tasks if t.done() and t.exception() is not None]
+    _say(ready=len([a for a in agents if a.ready.is_set()]), seconds=round(time.time() - began, 1),
+         failed=[repr(t.exception()) for t in failed[:3]])  # fmt: skip
+    async for command in _commands():
+        if command["op"] == "stop":
+            break
+    for agent in agents:
+        agent.stop("benchmark over")
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for transport in transports:
+        await transport.close()
+    state_thread.shutdown(wait=True)
+    published: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    for agent in agents:
+        registry = agent.metrics.registry
+        for kind in MessageType:
+            value = registry.get_sample_value("agent_messages_published_total", {"kind": kind})
+            if value:
+                published[kind.value] += int(value)
+        for error in ("throttled", "server", "timeout", "connection", "garbage", "too-large"):
+            value = registry.get_sample_value("agent_imds_errors_total", {"kind": error})
+            if value:
+                errors[error] += int(value)
+    _say(
+        published=published,
+        imds_errors=errors,
+        peak_rps=max(a.limiter.peak for a in agents),
+        loop_lag=lag.report(),
+    )
+
+
+# ------------------------------------------------------------------------ approver, audit
+
+
+class _Seen:
+    """What a handler was given: every (VM, message id), and each transition's time.
+
+    With ``journal``, every message is also appended to that file, one JSON line ``[vm, id,
+    kind, subject, received]`` written by one ``os.write`` (the kernel keeps it when the
+    process is killed): at once, or -- when ``deferred`` -- at :meth:`flush`, which the
+    approver's worker calls once the commit that acks those messages is done."""
+
+    def __init__(self, journal: str | None = None, *, deferred: bool = False) -> None:
+        self.ids: Counter[tuple[str, str]] = Counter()
+        #: (vm, event id, kind) -> [message time (the agent's detection), received (wall)]
+        self.transitions: dict[tuple[str, str, str], list[float]] = {}
+        self._journal = (
+            None
+            if journal is None
+            else os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        )
+        self._deferred = deferred
+        self._pending: list[str] = []
+
+    async def __call__(self, message: Any) -> None:
+        vm = message.vm.name.casefold()
+        self.ids[(vm, message.id)] += 1
+        if message.kind.is_transition and message.subject:
+            key = (vm, message.subject, message.kind.value)
+            self.transitions.setdefault(key, [message.time.timestamp(), time.time()])
+        if self._journal is not None:
+            line = [vm, message.id, message.kind.value, message.subject, time.time()]
+            self._pending.append(json.dumps(line) + "\n")
+            if not self._deferred:
+                self.flush()
+
+    def flush(self) -> None:
+        """Append what was handled since the last flush to the journal."""
+        if self._journal is not None and self._pending:
+            os.write(self._journal, "".join(self._pending).encode())
+            self._pending.clear()
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "handled": sum(self.ids.values()),
+            "duplicates": sum(n - 1 for n in self.ids.values() if n > 1),
+            "transitions": [[*key, *times] for key, times in self.transitions.items()],
+        }
+
+
+async def run_central(role: str, spec: dict[str, Any]) -> None:
+    from consumers._approver import ApproverService, Decision
+    from consumers._audit import open_ledger
+    from consumers._audit_service import AuditService
+    from consumers._db import open_database
+    from consumers._policies import PolicySet, load_policy_file
+    from consumers._schema import ensure_schema
+    from schemas import load_signing_key
+    from schemas.channels import ChannelNames
+    from schemas.transport import open_transport
+
+    channels = ChannelNames(**spec["channels"])
+    seen = _Seen(spec.get("journal"), deferred=role == "approver" and bool(spec.get("db")))
+    decisions: dict[str, list[Any]] = {}
+
+    def decided(decision: Decision) -> None:
+        decisions.setdefault(decision.event_id, [decision.action.value, time.time()])
+
+    async with open_transport(spec["broker"], channels, name=f"fleet {role}") as transport:
+        service: Any
+        if role == "approver":
+            db = open_database(spec["db"]) if spec["db"] else None
+            if db is not None:
+                await db.connect()
+                await ensure_schema(db)
+            policy = spec["policy"]
+            service = ApproverService(
+                transport,
+                load_signing_key(Path(spec["signing_key"])),
+                load_policy_file(Path(policy)) if policy else PolicySet.default(),
+                db=db,
+                on_decision=decided,
+            )
+        else:
+            ledger = open_ledger(spec["db"])
+            await ledger.connect()  # closed with the process
+            service = AuditService(transport, ledger)
+        service.stream.add_handler(seen)
+        committed = service.stream.before_ack
+        if committed is not None:
+
+            async def commit_then_journal() -> None:
+                await committed()
+                seen.flush()
+
+            service.stream.before_ack = commit_then_journal
+        runner = asyncio.create_task(service.run())
+        async with asyncio.timeout(60):
+            while not service.stream.subscribed:  # noqa: ASYNC110 - the stream's own flag
+                await asyncio.sleep(0.05)
+        _say(ready=True)
+        async for command in _commands():
+            if command["op"] == "progress":
+                _say(transitions=len(seen.transitions), handled=sum(seen.ids.values()))
+            elif command["op"] == "stop":
+                break
+        service.stop()
+        await runner
+        stats = service.stream.stats
+        _say(
+            **seen.report(),
+            decisions=decisions,
+            received=stats.received,
+            dead_lettered=stats.dead_lettered,
+            reconnects=stats.reconnects,
+        )
+
+
+def worker(role: str) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    spec = json.loads(sys.stdin.readline())
+    if role == "sim":
+        asyncio.run(run_sim(spec))
+    elif role == "agents":
+        asyncio.run(run_agents(spec))
+    else:
+        asyncio.run(run_central(role, spec))
+    return 0
