@@ -31,7 +31,7 @@ import aiormq.exceptions
 
 from .._errors import ConfigError
 from ..channels import ChannelNames
-from ._amqp_errors import FAILURES, config_error, is_spurious_cancel, reason
+from ._amqp_errors import FAILURES, config_error, is_spurious_cancel, reason, unabandoned
 
 __all__ = [
     "ALTERNATE_EXCHANGE",
@@ -110,8 +110,8 @@ async def drain(
     channel = aio_pika.Channel(connection, publisher_confirms=False)
     drained = 0
     try:
+        await unabandoned(channel.initialize(), step_timeout, then=channel.close)
         async with asyncio.timeout(step_timeout):
-            await channel.initialize()
             raw = await channel.get_underlay_channel()
             declared = await raw.queue_declare(name, passive=True)
         pending: int = declared.message_count or 0
@@ -164,8 +164,7 @@ async def drain(
         # Deliveries not rejected yet go back to the queue with the channel.
         if not channel.is_closed:
             try:
-                async with asyncio.timeout(_CLOSE_TIMEOUT):
-                    await channel.close()
+                await unabandoned(channel.close(), _CLOSE_TIMEOUT)
             except FAILURES as exc:
                 log.debug("closing the drain channel of %r failed (%s)", name, reason(exc))
     return drained

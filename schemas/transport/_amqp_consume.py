@@ -28,7 +28,14 @@ import aiormq.exceptions
 from pamqp import commands as spec
 
 from .._errors import TransportError
-from ._amqp_errors import FAILURES, LINK_ERRORS, is_spurious_cancel, reason, uninterrupted
+from ._amqp_errors import (
+    FAILURES,
+    LINK_ERRORS,
+    is_spurious_cancel,
+    reason,
+    unabandoned,
+    uninterrupted,
+)
 from ._base import PropertyValue
 from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON, ORIGINAL_SENDER
 
@@ -388,8 +395,7 @@ class AmqpSubscription:
         if channel.is_closed:
             return
         try:
-            async with asyncio.timeout(_CLOSE_TIMEOUT):
-                await channel.close()
+            await unabandoned(channel.close(), _CLOSE_TIMEOUT)
         except FAILURES as exc:
             log.warning(
                 "closing the consumer channel of %s failed (%s): the broker hands its "

@@ -7,8 +7,9 @@ entity, a precondition, a permission) will not go away by itself.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiormq.exceptions
@@ -25,8 +26,11 @@ __all__ = [
     "is_spurious_cancel",
     "reason",
     "refused",
+    "unabandoned",
     "uninterrupted",
 ]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -96,6 +100,50 @@ async def uninterrupted(exchange: Coroutine[Any, Any, T]) -> T:
         if not inner.cancelled():
             inner.exception()  # retrieved: the cancel is what the caller gets
         raise
+
+
+#: Exchanges given up on but left to finish (see :func:`unabandoned`): referenced until done.
+_LEFT_RUNNING: set[asyncio.Future[Any]] = set()
+
+
+async def unabandoned(
+    exchange: Awaitable[T],
+    timeout: float,  # noqa: ASYNC109
+    *,
+    then: Callable[[], Awaitable[object]] | None = None,
+) -> T:
+    """Wait at most ``timeout`` for an exchange that must not be cut short (a channel's opening
+    or closing), raising :class:`TimeoutError` when it takes longer, *without* cancelling it.
+
+    aiormq answers a cancelled RPC by sending ``Channel.Close``; for an opening or a closing
+    already on the wire that is a second frame RabbitMQ does not expect, and it closes the
+    whole *connection* (``CHANNEL_ERROR - expected 'channel.open'``): a broker slow for a
+    moment then cost every channel on it a reconnect. So a slow exchange is left to finish in
+    the background (aiormq bounds it: the connection's heartbeat, or its loss), and ``then``
+    runs if it succeeds late (close the channel nobody will use). A cancel of the caller
+    leaves it the same way.
+    """
+    task = asyncio.ensure_future(exchange)
+    try:
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(task)
+    except BaseException:
+        if not task.done():
+            _LEFT_RUNNING.add(task)
+            task.add_done_callback(lambda done: _finished_late(done, then))
+        raise
+
+
+def _finished_late(task: asyncio.Future[Any], then: Callable[[], Awaitable[object]] | None) -> None:
+    _LEFT_RUNNING.discard(task)
+    if task.cancelled():
+        return
+    if (exc := task.exception()) is not None:
+        log.debug("an exchange given up on failed later (%s)", reason(exc))
+    elif then is not None:
+        follow_up = asyncio.ensure_future(then())
+        _LEFT_RUNNING.add(follow_up)
+        follow_up.add_done_callback(lambda done: _finished_late(done, None))
 
 
 def reason(exc: BaseException) -> str:

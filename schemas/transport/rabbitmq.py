@@ -55,6 +55,7 @@ are deterministic so consumers drop the duplicate. Consumers resume by themselve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -87,6 +88,7 @@ from ._amqp_errors import (
     is_spurious_cancel,
     reason,
     refused,
+    unabandoned,
     uninterrupted,
 )
 from ._amqp_settings import AmqpSettings, parse_amqp_url
@@ -441,14 +443,18 @@ class RabbitMQTransport(AsyncResource):
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
                 await connection.ready()
-            async with asyncio.timeout(self.settings.confirm_timeout):
-                channel = aio_pika.Channel(connection, publisher_confirms=False)
-                await channel.initialize()
-                try:
+            channel = aio_pika.Channel(connection, publisher_confirms=False)
+            await unabandoned(
+                channel.initialize(), self.settings.confirm_timeout, then=channel.close
+            )
+            try:
+                async with asyncio.timeout(self.settings.confirm_timeout):
                     await steps(channel)
-                finally:
-                    if not channel.is_closed:
-                        await channel.close()
+            finally:
+                if not channel.is_closed:
+                    # Declared already: a slow close (left to finish) fails nothing.
+                    with contextlib.suppress(*FAILURES):
+                        await unabandoned(channel.close(), _CLOSE_TIMEOUT)
         except asyncio.CancelledError as exc:
             if not is_spurious_cancel(exc):
                 raise
@@ -560,8 +566,10 @@ class RabbitMQTransport(AsyncResource):
         connection, _ = self._require()
         channel = connection.channel(publisher_confirms=False)
         try:
+            await unabandoned(
+                channel.initialize(), self.settings.confirm_timeout, then=channel.close
+            )
             async with asyncio.timeout(self.settings.confirm_timeout):
-                await channel.initialize()
                 await channel.set_qos(prefetch_count=prefetch)
         except FAILURES as exc:
             raise TransportError(f"opening a consumer channel failed: {reason(exc)}") from exc

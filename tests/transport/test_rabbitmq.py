@@ -389,3 +389,56 @@ async def test_cancelling_a_subscription_while_it_opens_is_a_cancel_not_a_link_e
         await rabbit.publish(outgoing())
     lost = [r.getMessage() for r in caplog.records if "lost the link" in r.getMessage()]
     assert not lost
+
+
+@pytest.mark.rabbitmq
+async def test_a_stalled_broker_costs_the_operation_not_the_connection(
+    amqp_url: str, unique: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broker too busy to answer within ``confirm_timeout`` (a fleet's start-up burst) fails
+    the declaration or consumer opening that waited, as a TransportError the caller retries;
+    it must not close the *connection* that every other channel of the process shares. Giving
+    up by cancelling aiormq's channel opening or closing made RabbitMQ close the connection
+    (``CHANNEL_ERROR - expected 'channel.open'``): 2,000 agents over four shared connections
+    lost them all within seconds of starting. Stalled at many points of the exchange."""
+    caplog.set_level(logging.INFO, logger="schemas.transport.rabbitmq")
+    split = urlsplit(amqp_url)
+    channels = ChannelNames().suffixed(unique)
+    settings = AmqpSettings(connect_timeout=2, reconnect_timeout=2, confirm_timeout=0.3)
+    async with (
+        asyncio.timeout(BOUND),
+        TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
+    ):
+        transport = RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=settings)
+        async with transport:
+            try:
+                await transport.declare_group("g")
+                failed = 0
+                for step in range(24):
+                    operation = asyncio.create_task(
+                        transport.declare_group("g")
+                        if step % 2
+                        else _open_and_close(transport.approvals("vm-1"))
+                    )
+                    await asyncio.sleep(step * 0.0007)
+                    proxy.pause()
+                    try:
+                        await operation
+                    except TransportError:
+                        failed += 1
+                    finally:
+                        await asyncio.sleep(0.4)
+                        proxy.resume()
+                    await asyncio.sleep(0.2)
+                assert failed, "the stalls should have outlasted some operations"
+                await transport.publish(outgoing())
+            finally:
+                proxy.resume()
+                await transport.delete_topology(groups=["g"], vms=["vm-1"], exchanges=True)
+    lost = [r.getMessage() for r in caplog.records if "lost the link" in r.getMessage()]
+    assert not lost
+
+
+async def _open_and_close(subscription: object) -> None:
+    async with subscription:  # type: ignore[attr-defined]
+        pass
