@@ -14,15 +14,16 @@ import logging
 import os
 import time
 from pathlib import Path
-
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from typing import TYPE_CHECKING
 
 from schemas import ConfigError, ImdsError
 from schemas._backoff import Backoff
 from schemas.origin import ATTESTATION, KEY, SIGNATURE, key_nonce
 
 from ._imds import ImdsClient
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 __all__ = ["KEY_FILE", "OriginSigner", "load_origin_key"]
 
@@ -35,7 +36,10 @@ REFRESH_SECONDS = 3600.0
 
 def load_origin_key(state_dir: Path | None) -> Ed25519PrivateKey:
     """The VM's origin key: read from the state dir, created there the first time (in memory
-    only without a state dir)."""
+    only without a state dir). Only an agent that signs (Service Bus) loads cryptography."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     if state_dir is None:
         return Ed25519PrivateKey.generate()
     path = state_dir / KEY_FILE
@@ -63,6 +67,8 @@ class OriginSigner:
     attestation fresh."""
 
     def __init__(self, key: Ed25519PrivateKey, imds: ImdsClient) -> None:
+        from cryptography.hazmat.primitives import serialization
+
         self._key = key
         self._imds = imds
         raw = key.public_key().public_bytes(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -196,3 +198,59 @@ def test_unreadable_or_wrong_key_files_are_config_errors_naming_the_file(tmp_pat
         load_public_keys([tmp_path / "junk.pem"])
     with pytest.raises(ConfigError, match=r"missing\.key"):
         load_signing_key(tmp_path / "missing.key")
+
+
+def test_trust_keys_load_without_cryptography_until_an_approval_is_verified(
+    tmp_path: Path,
+) -> None:
+    """An agent on RabbitMQ checks its trust keys at start but needs cryptography (about 7 MiB of
+    RSS on every VM) only for its first approval: the keys are read without it, and the first
+    verification loads it."""
+    write_key_pair(tmp_path)
+    code = f"""
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+import publisher._agent, schemas.transport.rabbitmq
+from schemas import load_public_keys, verify, key_id
+trusted = load_public_keys([Path({str(tmp_path / "approver.pub")!r})])
+assert "cryptography" not in sys.modules, "imported at start"
+from schemas.approvals import load_signing_key, new_approval, sign
+key = load_signing_key(Path({str(tmp_path / "approver.key")!r}))
+approval = sign(new_approval("EVT-1", "web-7", decided_by="test", event_version=None), key)
+verify(approval, trusted, vm_name="web-7")
+assert list(trusted) == [key_id(key.public_key())]
+print("verified")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "verified"
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("hello", "is not a PEM public key"),
+        ("-----BEGIN PUBLIC KEY-----\n!!!\n-----END PUBLIC KEY-----\n", "is not a PEM public key"),
+        ("RSA", "is not an Ed25519 public key"),
+    ],
+    ids=["not PEM", "bad base64", "RSA"],
+)
+def test_a_trust_key_that_is_not_an_ed25519_public_key_is_refused_naming_it(
+    tmp_path: Path, text: str, complaint: str
+) -> None:
+    path = tmp_path / "trust.pub"
+    if text == "RSA":
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        public = rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key()
+        text = public.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ).decode()
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=complaint) as caught:
+        load_public_keys([path])
+    assert str(path) in str(caught.value)
