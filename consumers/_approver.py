@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -68,12 +68,16 @@ _TRY_ANOTHER = frozenset(
     {
         RejectReason.OBSERVE_ONLY.value,
         RejectReason.NOT_FOR_THIS_VM.value,
-        RejectReason.IMDS_REFUSED.value,
         RejectReason.EVENT_NOT_FOUND.value,
         RejectReason.BAD_SIGNATURE.value,
         RejectReason.UNKNOWN_KEY.value,
     }
 )
+#: Rejections that say "not now on this VM" (it could not ask IMDS about the event): that VM
+#: is tried again after :data:`RETRY_PAUSES` (another VM of the event meanwhile, if any).
+_TRY_LATER = frozenset({RejectReason.IMDS_REFUSED.value})
+#: Seconds before the n-th retry of a VM that could not reach IMDS (the last one repeats).
+RETRY_PAUSES = (5.0, 10.0, 20.0, 40.0)
 #: At most this many approvals for one version of an event; then NotBefore applies.
 MAX_APPROVALS_PER_VERSION = 5
 #: How often pruning and the look at holds happen (housekeeping).
@@ -167,6 +171,11 @@ class ApproverService:
         #: VMs an approval of an event's version was refused by, and how many were signed.
         self._tried: dict[tuple[str, str], set[str]] = {}
         self._signed: dict[tuple[str, str], int] = {}
+        #: VMs that could not reach IMDS for an event's version: how often, and until when
+        #: they rest (then housekeeping decides about the event again).
+        self._resting: dict[tuple[str, str], dict[str, tuple[int, datetime]]] = {}
+        #: Events to decide about again at a time (a resting VM's pause ends).
+        self._wake: dict[str, datetime] = {}
         #: Events a guard holds, by the group whose capacity holds them (in the order held),
         #: and by VM of theirs (casefolded).
         self._waiting_on: dict[Group, dict[str, None]] = {}
@@ -299,15 +308,24 @@ class ApproverService:
             )
             self._record(state, Verdict(Action.WAIT, why, "approver"), plan)
             return
+        now = self.clock()
+        resting = {vm for vm, (_, until) in self._resting.get(key, {}).items() if until > now}
         try:
             approval, address = self.sender.prepare(
                 state.event_id,
                 event_version=version,
                 reason=verdict.reason,
-                exclude=frozenset(self._tried.get(key, set())),
+                exclude=frozenset(self._tried.get(key, set()) | resting),
             )
         except NoApprovalTarget as exc:
-            self._record(state, Verdict(Action.WAIT, str(exc), verdict.policy), plan)
+            why = str(exc)
+            if resting:
+                again = min(self._resting[key][vm][1] for vm in resting)
+                why = (
+                    f"{verdict.reason}, but {', '.join(sorted(resting))} could not reach IMDS "
+                    f"to apply it: approving again at {again:%H:%M:%S}"
+                )
+            self._record(state, Verdict(Action.WAIT, why, verdict.policy), plan)
             return
         self._signed[key] = self._signed.get(key, 0) + 1
         state.sent = SentApproval(approval.approval_id, version, approval.vm, self.clock())
@@ -399,9 +417,16 @@ class ApproverService:
             data.reason,
             data.detail,
         )
+        key = (state.event_id, sent.event_version)
         if data.reason in _TRY_ANOTHER:
-            key = (state.event_id, sent.event_version)
             self._tried.setdefault(key, set()).add(message.vm.name.casefold())
+        elif data.reason in _TRY_LATER:
+            vm = message.vm.name.casefold()
+            times, _ = self._resting.setdefault(key, {}).get(vm, (0, self.clock()))
+            pause = RETRY_PAUSES[min(times, len(RETRY_PAUSES) - 1)]
+            until = self.clock() + timedelta(seconds=pause)
+            self._resting[key][vm] = (times + 1, until)
+            self._wake[state.event_id] = min(until, self._wake.get(state.event_id, until))
         state.sent = None
         self.fleet.refresh(state)
 
@@ -542,6 +567,8 @@ class ApproverService:
         self._last = dict(loaded.last_decisions)
         self._tried.clear()
         self._signed.clear()
+        self._resting.clear()
+        self._wake.clear()
         self._waiting_on.clear()
         self._waiting_vm.clear()
         self._held_on.clear()
@@ -578,29 +605,39 @@ class ApproverService:
         for key in [k for k in self._signed if k[0] in gone]:
             self._signed.pop(key, None)
             self._tried.pop(key, None)
+            self._resting.pop(key, None)
+        for event_id in gone:
+            self._wake.pop(event_id, None)
         if self.state is not None:
             self._staged.forget += gone  # with the next commit
 
     async def _housekeeping(self) -> None:
-        """Releases of holds take effect without waiting for the next message. Only the
-        process that wrote last acts (the active one: a standby receives nothing)."""
-        if self.state is None:
-            return
+        """Releases of holds and the end of a resting VM's pause take effect without waiting
+        for the next message. With a database, only the process that wrote last acts (the
+        active one: a standby receives nothing)."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_SECONDS)
             try:
-                if not self._loaded or await self.state.stale():
-                    continue
-                if not self._staged.empty:  # approvals sent since the last message
-                    await self.commit()
-                holds = set(await self.state.holds())
-                released = self._held - holds
-                self._held = holds
-                for event_id in released:
+                if self.state is not None:
+                    if not self._loaded or await self.state.stale():
+                        continue
+                    if not self._staged.empty:  # approvals sent since the last message
+                        await self.commit()
+                    holds = set(await self.state.holds())
+                    released = self._held - holds
+                    self._held = holds
+                    for event_id in released:
+                        state = self.fleet.event(event_id)
+                        if state is not None:
+                            log.info("hold on %s released: deciding again", event_id)
+                            self._last.pop(event_id, None)
+                            await self.evaluate(state)
+                now = self.clock()
+                for event_id in [e for e, at in self._wake.items() if at <= now]:
+                    del self._wake[event_id]
                     state = self.fleet.event(event_id)
                     if state is not None:
-                        log.info("hold on %s released: deciding again", event_id)
-                        self._last.pop(event_id, None)
+                        log.info("%s: trying again a VM that could not reach IMDS", event_id)
                         await self.evaluate(state)
             except TransportError as exc:
                 log.warning("approver housekeeping failed (%s); trying again", exc)

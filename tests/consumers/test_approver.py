@@ -115,6 +115,45 @@ async def test_a_rejected_approval_is_sent_to_another_live_vm(transport):
     assert second.vm == "b"
 
 
+async def test_a_vm_that_could_not_reach_imds_is_sent_the_approval_again_later(transport):
+    """``imds-refused``: the agent could not ask IMDS about the event (a storm of 429s, 500s
+    or timeouts on that VM), which says nothing about the VM's right to apply it. The approver
+    tries the same VM again after a pause, up to its cap per version; before, it excluded the
+    VM for good, and a Freeze of one VM (nobody else to approve it) waited for NotBefore: 174
+    of 180 after a 20 s IMDS storm in ``tests/benchmarks/faults.py``."""
+    now = [datetime.now(UTC)]
+    service = ApproverService(transport, generate_signing_key(), clock=lambda: now[0])
+    ev = event("EVT-I", source="User", resources=("web-2",))
+    await transport.declare_group("approver")
+    runner = asyncio.create_task(service.run())
+    for message in now_messages(
+        heartbeat(vm("web-2"), at=now[0]), transition("scheduled", ev, vm("web-2"), at=now[0])
+    ):
+        await transport.publish(message)
+    first = await next_approval(transport, "web-2")
+    refused = outcome(vm("web-2"), ev, applied=False, at=now[0]).model_copy(deep=True)
+    refused = refused.model_copy(
+        update={
+            "data": refused.data.model_copy(
+                update={"reason": "imds-refused", "approval_id": first.approval_id}
+            )
+        }
+    )
+    await transport.publish(lifecycle_message(refused))
+    with pytest.raises(TimeoutError):  # not at once: the VM's IMDS is in trouble right now
+        await next_approval(transport, "web-2")
+    waiting = service.decisions[-1]
+    assert waiting.action is Action.WAIT
+    assert "could not reach IMDS" in waiting.reason
+    now[0] += timedelta(seconds=30)  # the pause is over
+    second = await next_approval(transport, "web-2")
+    service.stop()
+    await asyncio.wait_for(runner, 2)
+    assert second.vm == "web-2"
+    assert second.approval_id != first.approval_id
+    assert second.event_version == first.event_version
+
+
 async def test_the_sender_needs_a_vm_for_an_event_it_never_heard_of(transport):
     sender = ApprovalSender(transport, generate_signing_key(), fleet=FleetView())
     with pytest.raises(NoApprovalTarget, match="name the VM"):
