@@ -11,11 +11,15 @@ a second, print the events) as a second subprocess watching the same VM. Then:
    message to a consumer here (after the publisher confirm), and for the baseline to the moment
    it printed the event. CPU and peak RSS of both during the scenario.
 
-The agent runs with ``--fast-poll-seconds 0`` so every detection happens at the default 1 Hz
-polling (otherwise each event would speed up polling for the next ones).
+The agent runs as deployed (a trust key given, a state dir) with ``--fast-poll-seconds 0`` so
+every detection happens at the default 1 Hz polling (otherwise each event would speed up
+polling for the next ones). ``--servicebus`` runs it on the Service Bus protocol double
+(``tests/servicebus_double``, in a process of its own) instead of RabbitMQ: the agent then
+signs every message (signed origins) and closes its idle sender.
 
     python tests/benchmarks/agent_latency.py                      # the issue's 5 idle minutes
     python tests/benchmarks/agent_latency.py --idle-seconds 60 --events 40
+    python tests/benchmarks/agent_latency.py --servicebus --agent-python /tmp/agent-sb/bin/python
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from publisher.simulator import EventSpec, EventType, Simulator, SimulatorConfig, serve  # noqa: E402
 from schemas import MessageType, decode  # noqa: E402
+from schemas.approvals import write_key_pair  # noqa: E402
 from schemas.channels import ChannelNames  # noqa: E402
 from schemas.transport import open_transport  # noqa: E402
 
@@ -122,6 +127,12 @@ async def main() -> None:
         "install '.[rabbitmq]'); default: this interpreter, whose dev extras add modules "
         "(click, pygments) that httpx imports when present",
     )
+    parser.add_argument(
+        "--servicebus",
+        action="store_true",
+        help="run the agent on the Service Bus double instead of RabbitMQ (its interpreter "
+        "needs the [servicebus] extra)",
+    )
     parser.add_argument("--events", type=int, default=40)
     parser.add_argument("--poll-interval", type=float, default=1.0)
     args = parser.parse_args()
@@ -131,8 +142,27 @@ async def main() -> None:
     vm = "bench-0"
     sim = Simulator(SimulatorConfig(speed=1.0), vms=[vm])
     processes: list[asyncio.subprocess.Process] = []
+    async with contextlib.AsyncExitStack() as double_stack:
+        broker = args.amqp_url
+        if args.servicebus:
+            from tests.benchmarks.servicebus_capacity import DoubleProcess
+
+            double = DoubleProcess(channels, "bench", session=False)
+            broker = (await double_stack.enter_async_context(double)).connection_string
+        await _measure(args, broker, suffix, channels, vm, sim, processes)
+
+
+async def _measure(
+    args: argparse.Namespace,
+    broker: str,
+    suffix: str,
+    channels: ChannelNames,
+    vm: str,
+    sim: Simulator,
+    processes: list[asyncio.subprocess.Process],
+) -> None:
     async with serve(sim) as server:
-        consumer = open_transport(args.amqp_url, channels)
+        consumer = open_transport(broker, channels)
         async with consumer:
             await consumer.declare_group("bench")
             received: dict[str, float] = {}
@@ -159,13 +189,15 @@ async def main() -> None:
 
             with contextlib.ExitStack() as stack:
                 state = stack.enter_context(_tempdir())
+                _, trust_key = write_key_pair(Path(stack.enter_context(_tempdir())))
                 consumer_task = asyncio.create_task(consume())
                 agent = await asyncio.create_subprocess_exec(
                     args.agent_python, "-m", "publisher",
                     "--imds-url", server.vm_url(vm),
-                    "--broker", args.amqp_url,
+                    "--broker", broker,
                     "--channel-suffix", suffix,
                     "--state-dir", state,
+                    "--trust-key", str(trust_key),
                     "--poll-interval", str(args.poll_interval),
                     "--fast-poll-seconds", "0",
                     "--log-level", "WARNING",
@@ -183,7 +215,7 @@ async def main() -> None:
                     await asyncio.wait_for(online.wait(), 30)
                     await asyncio.sleep(2)  # past start-up
                     meters = [Meter(agent.pid), Meter(baseline.pid)]
-                    loaded = _backends_loaded(args.amqp_url, args.agent_python)
+                    loaded = _backends_loaded(broker, args.agent_python)
                     print(f"idle window: {args.idle_seconds:.0f} s ...", flush=True)
                     for meter in meters:
                         meter.start()
@@ -221,14 +253,16 @@ async def main() -> None:
                     consumer_task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await consumer_task
-                    await _cleanup(args.amqp_url, channels, vm)
+                    if not args.servicebus:
+                        await _cleanup(broker, channels, vm)
 
     agent_ms = [1000 * (received[e] - t) for e, t in created.items()]
     base_ms = [1000 * (printed[e] - t) for e, t in created.items()]
     print()
     print(
         f"agent {sys.version.split()[0]}, poll interval {args.poll_interval} s, "
-        f"{len(created)} events, RabbitMQ {args.amqp_url.split('@')[-1]}"
+        f"{len(created)} events, "
+        + ("the Service Bus double" if args.servicebus else f"RabbitMQ {broker.split('@')[-1]}")
     )
     print(f"optional packages the agent imports: {', '.join(loaded) or 'none'}")
     print(f"agent exit code after SIGTERM: {agent.returncode}")

@@ -31,6 +31,12 @@ handler, wrong POSTs (an event no policy rule approves, or a second VM's POST of
     python tests/benchmarks/fleet.py --vms 2000
     python tests/benchmarks/fleet.py --vms 10000 --poll-interval 5 --fast-poll-seconds 0
     python tests/benchmarks/fleet.py --vms 200 --png /tmp/fleet.png
+    python tests/benchmarks/fleet.py --vms 1000 --servicebus
+
+``--servicebus`` runs the same over the Service Bus protocol double (``tests/servicebus_double``,
+a process of its own) instead of RabbitMQ: every agent has a transport of its own (the real
+SDK: a sender opened while publishing, a session receiver while it has an event to approve)
+and signs its messages; the approver reads the session-enabled ``approver`` subscription.
 
 Prints a table, then as its last line one JSON object. Entities on the broker are named for
 the run and deleted afterwards. Asserts nothing (``tests/scale`` runs a short one that does).
@@ -49,7 +55,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +94,7 @@ class Plan:
     approver_db: str = "sqlite"
     rate_limit: int = 5
     seed: int = 7
+    servicebus: bool = False
 
     @property
     def shards(self) -> int:
@@ -163,6 +170,7 @@ class Result:
             "detected_to_decided_p99_s": self.detected_to_decided.p99,
             "detected_to_posted_p99_s": self.detected_to_posted.p99,
             "poll_interval_s": self.plan.poll_interval,
+            "transport": "servicebus" if self.plan.servicebus else "rabbitmq",
         }
 
 
@@ -283,6 +291,19 @@ async def measure(plan: Plan) -> Result:
     names = local.vm_names()
     with tempfile.TemporaryDirectory(prefix="fleet-") as scratch:
         key, public = write_key_pair(Path(scratch))
+        if plan.servicebus:
+            from tests.benchmarks.servicebus_capacity import DoubleProcess
+
+            async with (
+                DoubleProcess(channels, "approver", plain=("audit",)) as double,
+                _processes() as procs,
+            ):
+                plan = replace(plan, broker=double.connection_string, agents_per_connection=0)
+                result.plan = plan
+                await _run(
+                    plan, result, procs, channels, topology, names, local, scratch, key, public
+                )
+            return result
         coordinator = open_transport(plan.broker, channels, name="fleet coordinator")
         async with coordinator, _processes() as procs:
             await coordinator.declare_group("approver", exclusive=True)
@@ -377,7 +398,7 @@ async def _run(
     for event_id, event in events.items():
         by_shard.setdefault(local.shard_of(event["vm"]), []).append({"id": event_id, **event})
     pids: dict[str, int | None] = {p.name: p.pid for p in procs}
-    cpu = _CpuMeter(pids | {"RabbitMQ": _rabbitmq_pid()})
+    cpu = _CpuMeter(pids | ({} if plan.servicebus else {"RabbitMQ": _rabbitmq_pid()}))
     for k, shard in enumerate(shards):
         await shard.send({"op": "events", "at": burst_at, "events": by_shard.get(k, [])})
     for shard in shards:
@@ -528,7 +549,8 @@ def table(result: Result) -> str:
         f"{plan.vms} VMs ({plan.workers} agent process(es), {plan.shards} simulator shard(s), "
         f"placement groups of {plan.placement_group_size}), poll every {plan.poll_interval:g} s"
         f"{'' if plan.fast_poll_seconds else ' (fast polling off)'}, approver state "
-        f"{plan.approver_db}, broker {plan.broker.split('@')[-1]}",
+        f"{plan.approver_db}, "
+        + ("the Service Bus double" if plan.servicebus else f"broker {plan.broker.split('@')[-1]}"),
         f"{result.events} events ({result.approvable} approvable), {result.completed} completed"
         f" in {result.finished_in} s; agents ready {result.startup_seconds} s after the start",
         "",
@@ -607,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--approver-db", choices=["sqlite", "memory"], default="sqlite")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--png", help="draw the latency distributions to this PNG")
+    parser.add_argument(
+        "--servicebus", action="store_true", help="over the Service Bus double, not RabbitMQ"
+    )
     args = parser.parse_args(args_list)
     plan = Plan(
         vms=args.vms,
@@ -624,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         approver_db=args.approver_db,
         seed=args.seed,
+        servicebus=args.servicebus,
     )
     began = time.monotonic()
     result = asyncio.run(measure(plan))

@@ -169,12 +169,22 @@ async def _until(wall_time: float) -> None:
 class DoubleProcess:
     """The Service Bus double in a process of its own, measured through its control lines."""
 
-    def __init__(self, channels: ChannelNames, subscription: str) -> None:
+    def __init__(
+        self,
+        channels: ChannelNames,
+        subscription: str,
+        *,
+        session: bool = True,
+        plain: tuple[str, ...] = (),
+    ) -> None:
+        """``subscription`` on the events topic (session-enabled unless ``session=False``),
+        and ``plain`` subscriptions beside it."""
         self._args = [
             "--session-queue",
             channels.approvals_queue,
-            "--session-topic",
+            "--session-topic" if session else "--topic",
             f"{channels.events_topic}:{subscription}",
+            *(["--topic", f"{channels.events_topic}:{','.join(plain)}"] if plain else []),
             "--lock-duration",
             "60",
             "--control",
