@@ -80,6 +80,8 @@ _TRY_LATER = frozenset({RejectReason.IMDS_REFUSED.value})
 RETRY_PAUSES = (5.0, 10.0, 20.0, 40.0)
 #: At most this many approvals for one version of an event; then NotBefore applies.
 MAX_APPROVALS_PER_VERSION = 5
+#: Approvals sent at once (each waits for the broker's confirm).
+SENDS_IN_FLIGHT = 64
 #: How often pruning and the look at holds happen (housekeeping).
 HOUSEKEEPING_SECONDS = 1.0
 
@@ -502,27 +504,42 @@ class ApproverService:
     # ------------------------------------------------------------------------------ sending
 
     async def _send(self, approvals: list[PendingApproval]) -> None:
-        """Send committed approvals; one the broker refuses for good (no queue for that VM)
-        is void and the event is decided again (another VM); a lost link keeps the rest for
-        the next message and fails this one (it comes back)."""
-        for index, pending in enumerate(approvals):
+        """Send committed approvals, up to :data:`SENDS_IN_FLIGHT` at once (each waits for
+        the broker's confirm: one after the other, a wave of 1,800 approvals took 36 s); one
+        the broker refuses for good (no queue for that VM) is void and the event is decided
+        again (another VM); those a lost link stopped are kept for the next message, and this
+        one fails (it comes back)."""
+        if not approvals:
+            return
+        room = asyncio.Semaphore(SENDS_IN_FLIGHT)
+
+        async def send(pending: PendingApproval) -> BaseException | None:
+            async with room:
+                try:
+                    await self.sender.send(pending.approval, pending.address)
+                except (PublishNotConfirmed, TransportError) as exc:
+                    return exc
+                return None
+
+        outcomes = await asyncio.gather(*(send(pending) for pending in approvals))
+        link_lost: TransportError | None = None
+        for pending, outcome in zip(approvals, outcomes, strict=True):
             approval = pending.approval
-            try:
-                await self.sender.send(approval, pending.address)
-            except PublishNotConfirmed as exc:
+            if isinstance(outcome, PublishNotConfirmed):
                 log.warning(
                     "approval %s for %s could not be delivered (%s): trying another VM",
                     approval.approval_id,
                     approval.vm,
-                    exc,
+                    outcome,
                 )
                 await self._undeliverable(pending)
-                continue
-            except TransportError:
-                self._unsent.extend(approvals[index:])
-                raise
-            if self.state is not None:
+            elif isinstance(outcome, TransportError):
+                self._unsent.append(pending)
+                link_lost = link_lost or outcome
+            elif self.state is not None:
                 self._staged.sent.append(approval.approval_id)  # marked in the next commit
+        if link_lost is not None:
+            raise link_lost
 
     async def _undeliverable(self, pending: PendingApproval) -> None:
         approval = pending.approval

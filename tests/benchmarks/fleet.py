@@ -141,6 +141,7 @@ class Result:
     wrong_posts: int = 0
     posts: int = 0
     detection: Quantiles = field(default_factory=Quantiles)
+    delivered: Quantiles = field(default_factory=Quantiles)
     decided: Quantiles = field(default_factory=Quantiles)
     posted: Quantiles = field(default_factory=Quantiles)
     detected_to_decided: Quantiles = field(default_factory=Quantiles)
@@ -512,6 +513,7 @@ def _account(
     result.wrong_posts = wrong
     decisions = central["approver"]["decisions"]
     detection, decided, posted, d_decided, d_posted = [], [], [], [], []
+    delivered = [r - t for (_, _, kind), (t, r) in seen["approver"].items() if kind == "scheduled"]
     for event_id, life in lives.items():
         if event_id not in events:
             continue
@@ -531,6 +533,7 @@ def _account(
             if detected is not None:
                 d_posted.append(at - detected)
     result.detection = Quantiles.of(detection)
+    result.delivered = Quantiles.of(delivered)
     result.decided = Quantiles.of(decided)
     result.posted = Quantiles.of(posted)
     result.detected_to_decided = Quantiles.of(d_decided)
@@ -559,6 +562,7 @@ def table(result: Result) -> str:
     ]
     for name, q in (
         ("appeared -> detected", result.detection),
+        ("detected -> approver has it", result.delivered),
         ("appeared -> decided", result.decided),
         ("appeared -> POST", result.posted),
         ("detected -> decided", result.detected_to_decided),

@@ -11,6 +11,7 @@ import pytest
 
 from consumers import Action, ApprovalSender, FleetView, NoApprovalTarget, PolicySet
 from consumers._approver import ApproverService
+from consumers._audit import open_ledger
 from consumers._cli import main
 from schemas import Approval, key_id, load_public_keys, verify
 from schemas.approvals import generate_signing_key
@@ -152,6 +153,47 @@ async def test_a_vm_that_could_not_reach_imds_is_sent_the_approval_again_later(t
     assert second.vm == "web-2"
     assert second.approval_id != first.approval_id
     assert second.event_version == first.event_version
+
+
+class _CountingSends(MemoryTransport):
+    """A broker whose confirm of an approval takes a moment, counting the sends at once."""
+
+    def __init__(self) -> None:
+        super().__init__(f"approver-{uuid.uuid4().hex}")
+        self.in_flight = self.most = 0
+
+    async def send_approval(self, to, message) -> None:  # type: ignore[no-untyped-def]
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            await asyncio.sleep(0.05)
+            await super().send_approval(to, message)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_a_wave_of_approvals_goes_out_without_waiting_for_each_confirm(tmp_path):
+    """A burst of events decided in one commit (a fleet's Freeze wave): the approvals go out
+    together, not each after the previous one's confirm (1,800 of them took 36 s that way in
+    ``tests/benchmarks/fleet.py``), and every one arrives."""
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'central.db'}")
+    async with _CountingSends() as counting, ledger:
+        service = ApproverService(counting, generate_signing_key(), db=ledger.db)
+        now = datetime.now(UTC)
+        names = [f"web-{n}" for n in range(12)]
+        await counting.declare_group("approver")
+        for name in names:
+            ev = event(f"EVT-{name}", source="User", resources=(name,))
+            for message in now_messages(heartbeat(vm(name), at=now)):
+                await counting.publish(message)
+            for message in now_messages(transition("scheduled", ev, vm(name), at=now)):
+                await counting.publish(message)
+        runner = asyncio.create_task(service.run())
+        approvals = [await next_approval(counting, name) for name in names]
+        service.stop()
+        await asyncio.wait_for(runner, 5)
+    assert [a.vm for a in approvals] == names
+    assert counting.most > 1
 
 
 async def test_the_sender_needs_a_vm_for_an_event_it_never_heard_of(transport):
