@@ -324,6 +324,7 @@ async def _cleanup(url: str, channels: ChannelNames, vm: str) -> None:
             f"{channels.group_prefix}bench",
             f"{channels.group_prefix}bench.dead-letter",
             f"{channels.vm_prefix}{vm}",
+            channels.unrouted,
         ):
             channel = await connection.channel()
             with contextlib.suppress(aio_pika.exceptions.AMQPError):
@@ -332,6 +333,7 @@ async def _cleanup(url: str, channels: ChannelNames, vm: str) -> None:
             channels.events_exchange,
             channels.approvals_exchange,
             f"{channels.group_prefix}bench.dead-letter",
+            channels.unrouted,
         ):
             channel = await connection.channel()
             with contextlib.suppress(aio_pika.exceptions.AMQPError):
