@@ -2,7 +2,10 @@
 
 ========================================  =================================================
 lifecycle stream                          topic ``scheduled-events``; ``message_id`` = the
-                                          CloudEvent id (duplicate detection drops repeats);
+                                          CloudEvent id, with a digest of the sender's
+                                          origin key when it signs (duplicate detection
+                                          drops an agent's repeats, not a genuine message
+                                          whose id a forger sent first);
                                           ``subject`` = the routing key; CloudEvents
                                           attributes as application properties
 consumer group ``G``                      the topic's subscription ``G``; a group read by
@@ -63,6 +66,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -92,6 +96,7 @@ from azure.servicebus.exceptions import (
 from .._backoff import Backoff
 from .._errors import ConfigError, PublishNotConfirmed, TransportError
 from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
+from ..origin import KEY as ORIGIN_KEY
 from . import redact
 from ._base import AsyncResource, OutgoingMessage, PropertyValue
 from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON
@@ -272,6 +277,36 @@ def _body(message: ServiceBusReceivedMessage) -> bytes:
     return b"".join(body)  # data sections
 
 
+#: Between a message's id and its origin key's digest in the id Service Bus sees.
+_ORIGIN_MARK = "~"
+
+
+def _origin_digest(key: object) -> str | None:
+    raw = key.encode() if isinstance(key, str) else key
+    if not isinstance(raw, bytes) or not raw:
+        return None
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _broker_id(message: OutgoingMessage) -> str:
+    """The id duplicate detection compares: the message's own, and for a signed message the
+    digest of the signer's origin key. Lifecycle ids are predictable, so a forger holding a
+    VM's credential could send its copy first and have the broker drop the genuine one (the
+    consumers' origin check then rejects the copy, and nothing is left); with the key in the
+    id, only the same signer's repeats collide."""
+    digest = _origin_digest(message.properties.get(ORIGIN_KEY))
+    return message.message_id if digest is None else f"{message.message_id}{_ORIGIN_MARK}{digest}"
+
+
+def _message_id(broker_id: str, properties: Mapping[str, PropertyValue]) -> str:
+    """The message's own id again (see :func:`_broker_id`)."""
+    digest = _origin_digest(properties.get(ORIGIN_KEY))
+    suffix = f"{_ORIGIN_MARK}{digest}"
+    if digest is not None and broker_id.endswith(suffix):
+        return broker_id[: -len(suffix)]
+    return broker_id
+
+
 def _outgoing(message: OutgoingMessage, *, session_id: str) -> ServiceBusMessage:
     if len(message.body) > MAX_MESSAGE_BYTES:
         raise PublishNotConfirmed(
@@ -286,7 +321,7 @@ def _outgoing(message: OutgoingMessage, *, session_id: str) -> ServiceBusMessage
     )
     return ServiceBusMessage(
         message.body,
-        message_id=message.message_id,
+        message_id=_broker_id(message),
         content_type=message.content_type,
         subject=message.routing_key or None,
         application_properties=_outgoing_properties(message.properties),
@@ -401,10 +436,10 @@ class _ServiceBusDelivery:
         self._subscription = subscription
         self._message = message
         self.body = _body(message)
-        self.message_id = _text(message.message_id or "")
+        self.properties: Mapping[str, PropertyValue] = _received_properties(message)
+        self.message_id = _message_id(_text(message.message_id or ""), self.properties)
         self.content_type = _text(message.content_type or "")
         self.routing_key = _text(message.subject or "")
-        self.properties: Mapping[str, PropertyValue] = _received_properties(message)
         # The AMQP header counts earlier attempts: 0 on the first delivery, as the contract says.
         self.delivery_count = int(message.delivery_count or 0)
         # Service Bus names no sender per message: lifecycle messages are signed instead.

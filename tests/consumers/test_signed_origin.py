@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from consumers import DeadLetterReason, Origin
+from consumers import Action, DeadLetterReason, Origin
 from consumers._approver import ApproverService, Decision
 from publisher import Agent, AgentSettings
 from publisher._imds import ImdsClient
@@ -244,3 +244,81 @@ async def test_over_service_bus_signed_agents_are_approved_and_a_forgery_is_dead
     assert sim.get_event(victim.event_id).state is EventState.SCHEDULED
     assert not [d for d in decisions if d.event_id == victim.event_id]
     assert approver.stream.stats.forged == 1
+
+
+async def test_over_service_bus_a_forged_copy_sent_first_does_not_hide_the_genuine_message(
+    tmp_path: Path,
+) -> None:
+    """Service Bus drops a message whose ``message_id`` it saw in the last ten minutes
+    (duplicate detection, on for the agents' repeats), and a lifecycle message's id is
+    predictable. A forger who sends its copy of a VM's next message first (here: web-8's
+    Platform reboot, turned into a User one) must neither be believed (the origin check
+    dead-letters it) nor make the broker drop the genuine message after it: the broker's id
+    includes the sender's origin key, so only an agent's own repeats collide."""
+    from tests.servicebus_double import EntityOptions, ServiceBusDouble
+
+    channels = ChannelNames().suffixed(uuid.uuid4().hex[:10])
+    _, public = write_key_pair(tmp_path)
+    key = load_signing_key(tmp_path / "approver.key")
+    double = ServiceBusDouble(
+        session_queues=[channels.approvals_queue],
+        session_topics={channels.events_topic: ["approver"]},
+        options=EntityOptions(lock_duration=10.0, duplicate_detection_window=600.0),
+    )
+    sim = Simulator(SimulatorConfig(rate_limit=0), vms=["web-7", "web-8"])
+    decisions: list[Decision] = []
+    with double:
+        broker = double.connection_string
+        async with serve(sim) as server, open_transport(broker, channels) as link:
+            approver = ApproverService(
+                link,
+                key,
+                origin=Origin.SIGNED,
+                verifier=_verifier(sim),
+                on_decision=decisions.append,
+            )
+            victim = sim.add_event(
+                EventSpec(event_type=EventType.REBOOT, resources=("web-8",), not_before_seconds=900)
+            )
+            forged = _scheduled(sim, "web-8")
+            forged_event = forged.data.event.model_copy(update={"event_source": "User"})
+            forged = forged.model_copy(
+                update={"data": forged.data.model_copy(update={"event": forged_event})}
+            )
+            outgoing = lifecycle_message(forged)
+            web7_signer = await _signer(server.vm_url("web-7"))
+            outgoing = dataclasses.replace(
+                outgoing,
+                properties={**outgoing.properties, **web7_signer.properties(outgoing.body)},
+            )
+            await link.publish(outgoing)  # first, before web-8's agent says anything
+            agent = Agent(
+                AgentSettings(
+                    imds_url=server.vm_url("web-8"),
+                    broker=broker,
+                    state_dir=tmp_path / "state",
+                    trust_keys=(public,),
+                    poll_interval=0.2,
+                    drain_timeout=3.0,
+                    channels=channels,
+                )
+            )
+            approving = asyncio.create_task(approver.run())
+            run = asyncio.create_task(agent.run())
+            try:
+                async with link.dead_letters("approver") as dead:
+                    async with asyncio.timeout(30):
+                        letter = await anext(aiter(dead))
+                        await letter.ack()
+                async with asyncio.timeout(30):
+                    while not [d for d in decisions if d.event_id == victim.event_id]:  # noqa: ASYNC110
+                        await asyncio.sleep(0.1)
+            finally:
+                agent.stop("test over")
+                await asyncio.gather(run, return_exceptions=True)
+                approver.stop()
+                await asyncio.gather(approving, return_exceptions=True)
+    assert letter.properties[DEAD_LETTER_REASON] == DeadLetterReason.ORIGIN_MISMATCH
+    (decision, *_) = [d for d in decisions if d.event_id == victim.event_id]
+    assert decision.action is not Action.APPROVE  # the genuine Platform reboot, judged as such
+    assert sim.get_event(victim.event_id).state is EventState.SCHEDULED
