@@ -135,3 +135,47 @@ def test_history_command_prints_for_people_and_for_machines(tmp_path, capsys):
 def test_a_bad_database_url_is_a_config_error(capsys):
     assert main(["audit", "history", "--db", "mysql://x/y", "--vm", "a"]) == 2
     assert "is not understood" in capsys.readouterr().err
+
+
+async def test_the_audit_keeps_each_message_as_received_newer_minor_versions_included(tmp_path):
+    """A newer minor version of the contract may add fields to a known message and add message
+    types; the audit stores each message's bytes exactly as received (what this version does
+    not know survives in the ledger) and records the new types instead of skipping them."""
+    import dataclasses
+    import uuid
+
+    from consumers._audit_service import AuditService
+    from schemas.channels import TYPE_PREFIX
+    from schemas.transport import MemoryTransport
+    from schemas.wire import lifecycle_message
+
+    scheduled = transition("scheduled", event("EVT-N", resources=("web-1",)), vm("web-1"), at=T0)
+    known = json.loads(scheduled.to_bytes())
+    known["schemaversion"] = "1.9"
+    known["data"]["drain"] = {"deadline": "2035-01-01T00:00:00Z", "added_in": "1.9"}
+    newer = dict(known, id="newer-1", type=f"{TYPE_PREFIX}.agent.drained", data={"why": "1.9"})
+    bodies = [json.dumps(known).encode(), json.dumps(newer).encode()]
+    async with (
+        MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport,
+        open_ledger(f"sqlite:///{tmp_path / 'audit.db'}") as ledger,
+    ):
+        service = AuditService(transport, ledger)
+        await transport.declare_group("audit")
+        outgoing = lifecycle_message(scheduled)
+        for body, message_id in zip(bodies, (known["id"], "newer-1"), strict=True):
+            await transport.publish(dataclasses.replace(outgoing, body=body, message_id=message_id))
+        runner = asyncio.create_task(service.run())
+        async with asyncio.timeout(10):
+            while await ledger.count() < 2:  # noqa: ASYNC110 - the ledger is the outcome
+                await asyncio.sleep(0.05)
+        service.stop()
+        await asyncio.wait_for(runner, 5)
+        rows = await ledger.db.fetch(
+            "SELECT message_id, kind, raw FROM ledger_messages ORDER BY position"
+        )
+    assert [(row[0], row[1]) for row in rows] == [
+        (known["id"], "scheduled"),
+        ("newer-1", "agent.drained"),
+    ]
+    assert [bytes(row[2]) for row in rows] == bodies
+    assert service.stream.stats.dead_lettered == 0
