@@ -223,21 +223,31 @@ class Ledger(AsyncResource):
         ``limit``, the newest ones when there are more)."""
         where: list[str] = []
         args: list[object] = []
+        # A decision belongs to a VM's timeline when that VM was its target, or when it is
+        # about an event the VM reported (a wait or a never has no target).
+        decision_where: list[str] = []
+        decision_args: list[object] = []
         if vm is not None:
             where.append("lower(vm) = lower(?)")
             args.append(vm)
-        if event_id is not None:
-            where.append("event_id = ?")
-            args.append(event_id)
-        if event_type is not None:
-            where.append("lower(event_type) = lower(?)")
-            args.append(event_type)
-        if since is not None:
-            where.append("time >= ?")
-            args.append(since)
-        if until is not None:
-            where.append("time < ?")
-            args.append(until)
+            decision_where.append(
+                "(lower(target) = lower(?) OR event_id IN (SELECT event_id FROM ledger_messages "
+                "WHERE lower(vm) = lower(?) AND event_id IS NOT NULL))"
+            )
+            decision_args += [vm, vm]
+        for column, value in (("event_id", event_id), ("lower(event_type)", event_type)):
+            if value is not None:
+                test = f"{column} = lower(?)" if column.startswith("lower") else f"{column} = ?"
+                where.append(test)
+                decision_where.append(test)
+                args.append(value)
+                decision_args.append(value)
+        for test, moment in (("time >= ?", since), ("time < ?", until)):
+            if moment is not None:
+                where.append(test)
+                decision_where.append(test)
+                args.append(moment)
+                decision_args.append(moment)
         clause = " AND ".join(where) or "1 = 1"
         bound = max(1, min(limit, MAX_ENTRIES))
         messages = await self.db.fetch(
@@ -245,12 +255,11 @@ class Ledger(AsyncResource):
             f"ORDER BY time DESC, position DESC LIMIT {bound}",
             *args,
         )
-        # A decision belongs to a VM's timeline when that VM was its target.
-        decision_clause = clause.replace("lower(vm)", "lower(target)")
         decisions = await self.db.fetch(
-            f"SELECT {_DECISION_COLUMNS} FROM ledger_decisions WHERE {decision_clause} "
+            f"SELECT {_DECISION_COLUMNS} FROM ledger_decisions "
+            f"WHERE {' AND '.join(decision_where) or '1 = 1'} "
             f"ORDER BY time DESC, position DESC LIMIT {bound}",
-            *args,
+            *decision_args,
         )
         entries = [(_message_entry(row), 0, int(row[8])) for row in messages] + [
             (_decision_entry(row), 1, int(row[5])) for row in decisions

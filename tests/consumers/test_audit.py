@@ -56,25 +56,36 @@ async def test_history_of_an_event_and_of_a_vm_is_complete_and_in_order(ledger_u
             event_type="Reboot",
             at=T0 + timedelta(seconds=3),
         )
+        # a wait names no target: it still belongs to the timeline of each VM of the event
+        await ledger.append_decision(
+            "EVT-7",
+            Action.WAIT.value,
+            "another VM of the group is down",
+            policy="max_unavailable",
+            decided_by="approver",
+            event_type="Reboot",
+            at=T0 + timedelta(seconds=2, milliseconds=500),
+        )
         assert await ledger.count() == len(messages)
         by_event = await ledger.history(event_id="EVT-7")
         by_vm = await ledger.history(vm="WEB-1")
     kinds = [e.kind for e in by_event]
-    assert len(by_event) == 8  # 7 messages about the event and the decision
+    assert len(by_event) == 9  # 7 messages about the event and the two decisions
     assert kinds[:2] == ["scheduled", "scheduled"]
-    assert kinds[2:5] == ["hook.completed", "decision.approve", "approval.applied"]
-    assert sorted(kinds[5:7]) == ["started", "started"]
-    assert kinds[7] == "completed"
+    assert kinds[2:6] == ["hook.completed", "decision.wait", "decision.approve", "approval.applied"]
+    assert sorted(kinds[6:8]) == ["started", "started"]
+    assert kinds[8] == "completed"
     assert [e.kind for e in by_vm] == [
         "agent.heartbeat",
         "scheduled",
         "hook.completed",
+        "decision.wait",
         "decision.approve",
         "approval.applied",
         "started",
         "completed",
     ]
-    assert by_event[3].body["reason"].startswith("user-initiated")
+    assert by_event[4].body["reason"].startswith("user-initiated")
 
 
 async def test_the_ledger_refuses_updates_and_deletes(tmp_path):
