@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, ClassVar, Literal, Self, TypeAlias
 
@@ -268,6 +268,15 @@ class HookResultData(_Data):
 # ----------------------------------------------------------------------------------- envelopes
 
 
+def _exists_in_utc(value: datetime) -> datetime:
+    """A time that has a UTC equivalent (year 1 at +01:00 has none): the ledgers store UTC."""
+    try:
+        value.astimezone(UTC)
+    except OverflowError as exc:
+        raise ValueError(f"time {value.isoformat()} lies outside years 1 to 9999 in UTC") from exc
+    return value
+
+
 class _Envelope(BaseModel):
     """The CloudEvents 1.0 context attributes, plus the extensions ``sequence`` and
     ``schemaversion``."""
@@ -289,6 +298,11 @@ class _Envelope(BaseModel):
     schemaversion: str
     #: The bytes this message was decoded from (None for one built here).
     _received: bytes | None = PrivateAttr(default=None)
+
+    @field_validator("time")
+    @classmethod
+    def _time_in_utc(cls, value: datetime) -> datetime:
+        return _exists_in_utc(value)
 
     @field_validator("type")
     @classmethod
@@ -505,6 +519,11 @@ class NewerMessage(BaseModel):
     schemaversion: str
     data: dict[str, Any] = Field(default_factory=dict)
     _received: bytes = PrivateAttr(default=b"")
+
+    @field_validator("time")
+    @classmethod
+    def _time_in_utc(cls, value: datetime) -> datetime:
+        return _exists_in_utc(value)
 
     @field_validator("schemaversion")
     @classmethod

@@ -58,12 +58,22 @@ def _mutated(field: str, value: object) -> bytes:
         _mutated("sequence", 2**70),
         _mutated("subject", "a\u0000b"),
         _mutated("source", "\\u0000"[0:0] + "x\u0000"),
+        _mutated("time", "0001-01-01T00:00:00+01:00"),  # before year 1 in UTC
+        _mutated("time", "9999-12-31T23:00:00-05:00"),  # after year 9999 in UTC
     ],
-    ids=["sequence-over-int64", "sequence-2^70", "nul-in-subject", "nul-in-source"],
+    ids=[
+        "sequence-over-int64",
+        "sequence-2^70",
+        "nul-in-subject",
+        "nul-in-source",
+        "time-before-year-1-utc",
+        "time-after-9999-utc",
+    ],
 )
 def test_what_no_database_can_store_is_refused_at_decode(raw: bytes) -> None:
-    """The contract caps ``sequence`` at 2^63 - 1 and forbids U+0000: SQLite and PostgreSQL
-    then store exactly the same messages."""
+    """The contract caps ``sequence`` at 2^63 - 1, forbids U+0000 and takes only times that
+    exist in UTC: SQLite and PostgreSQL then store exactly the same messages (a time of year 1
+    at +01:00 decoded, then broke the SQLite ledger's conversion to UTC)."""
     with pytest.raises(SchemaError):
         decode(raw)
 
