@@ -20,7 +20,14 @@ from consumers._approver import ApproverService, Decision
 from consumers._audit import open_ledger
 from publisher import Agent, AgentSettings
 from publisher.simulator import EventSpec, EventState, EventType, Simulator, SimulatorConfig, serve
-from schemas import ApprovalOutcomeMessage, ChannelNames, MessageType, load_signing_key
+from schemas import (
+    ApprovalOutcomeMessage,
+    ChannelNames,
+    MessageType,
+    ScheduledEventsDocument,
+    event_version,
+    load_signing_key,
+)
 from schemas.approvals import write_key_pair
 from schemas.transport import open_transport
 from schemas.transport.rabbitmq import RabbitMQTransport
@@ -128,3 +135,112 @@ async def _scenario(amqp_url, channels, public, key, simulator, tmp_path, decisi
     recorded = [(e.kind, e.body.get("event_version")) for e in history if e.record == "decision"]
     assert ("decision.approve", first.event_version) in recorded
     assert ("decision.wait", later[0].event_version) in recorded
+
+
+async def test_approve_from_the_command_line_binds_to_the_ledgers_version_and_waits_for_it(
+    amqp_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`scheduled-events approve EVENT --vm VM --db LEDGER`: the version comes from the audit
+    ledger (the agents' newest report), a --event-version the ledger contradicts is refused,
+    and the command waits for the agent's answer and prints it (applied: the POST reached
+    IMDS); a VM whose agent does not answer is a clear timeout, exit 1."""
+    from consumers._audit_service import AuditService
+    from consumers._cli import main
+
+    suffix = uuid.uuid4().hex[:10]
+    channels = ChannelNames().suffixed(suffix)
+    _, public = write_key_pair(tmp_path)
+    simulator = Simulator(SimulatorConfig(rate_limit=0), vms=["web-7"])
+    db = f"sqlite:///{tmp_path / 'central.db'}"
+    common = [
+        "--broker", amqp_url, "--channel-suffix", suffix,
+        "--signing-key", str(tmp_path / "approver.key"), "--db", db,
+    ]  # fmt: skip
+    try:
+        async with (
+            serve(simulator) as server,
+            open_ledger(db) as ledger,
+            open_transport(amqp_url, channels) as link,
+        ):
+            audit = AuditService(link, ledger)
+            auditing = asyncio.create_task(audit.run())
+            agent = Agent(
+                AgentSettings(
+                    imds_url=server.vm_url("web-7"),
+                    broker=amqp_url,
+                    state_dir=tmp_path / "state",
+                    trust_keys=(public,),
+                    poll_interval=0.2,
+                    drain_timeout=3.0,
+                    channels=channels,
+                )
+            )
+            run = asyncio.create_task(agent.run())
+            await agent.started(15)
+            freeze = simulator.add_event(
+                EventSpec(
+                    event_type=EventType.FREEZE, duration_in_seconds=5, not_before_seconds=900
+                )
+            )
+            await _until_in_ledger(ledger, freeze.event_id)
+            contradicted = await asyncio.to_thread(
+                main, ["approve", freeze.event_id, "--vm", "web-7", *common,
+                       "--event-version", "0" * 32]
+            )  # fmt: skip
+            refusal = capsys.readouterr().err
+            applied = await asyncio.to_thread(
+                main, ["approve", freeze.event_id, "--vm", "web-7", *common, "--timeout", "20"]
+            )
+            answer = capsys.readouterr().out
+            await _until_started(ledger, freeze.event_id)
+            again = await asyncio.to_thread(
+                main, ["approve", freeze.event_id, "--vm", "web-7", *common, "--timeout", "1"]
+            )
+            started = capsys.readouterr().err
+            agent.stop("test over")
+            await run
+            # The agent is down: an approval of another event waits in its queue, unanswered.
+            second = simulator.add_event(
+                EventSpec(
+                    event_type=EventType.FREEZE, duration_in_seconds=5, not_before_seconds=900
+                )
+            )
+            document = ScheduledEventsDocument.from_imds(
+                simulator.scheduled_events_document("web-7")
+            )
+            (judged,) = [e for e in document.events if e.event_id == second.event_id]
+            silent = await asyncio.to_thread(
+                main,
+                ["approve", second.event_id, "--vm", "web-7", *common[:-2], "--timeout", "1",
+                 "--event-version", event_version(judged)],
+            )  # fmt: skip
+            timeout_line = capsys.readouterr().err
+            audit.stop()
+            await auditing
+    finally:
+        async with RabbitMQTransport(amqp_url, channels) as cleaner:
+            await cleaner.delete_topology(
+                groups=("audit", "approve"), vms=["web-7"], exchanges=True
+            )
+    assert contradicted == 2
+    assert "is not the version the ledger knows" in refusal
+    assert applied == 0
+    assert "Freeze, 5 s" in answer  # the version it approved, described
+    assert "applied by web-7" in answer
+    assert [r.method for r in simulator.requests(vm="web-7") if r.method == "POST"] == ["POST"]
+    assert again == 2
+    assert "is Started in the newest report: only a Scheduled event can be approved" in started
+    assert silent == 1
+    assert "no outcome from web-7 within 1 s" in timeout_line
+
+
+async def _until_started(ledger, event_id: str) -> None:
+    async with asyncio.timeout(15):
+        while ((await ledger.latest_event(event_id)) or {}).get("EventStatus") != "Started":  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def _until_in_ledger(ledger, event_id: str) -> None:
+    async with asyncio.timeout(15):
+        while await ledger.latest_event(event_id) is None:  # noqa: ASYNC110 - another service
+            await asyncio.sleep(0.05)
