@@ -148,6 +148,65 @@ async def test_agents_approver_and_audit_work_end_to_end_with_their_own_users(
     assert {sender for _, sender in seen} == {vm_word(vm) for vm in vms}
 
 
+async def test_a_vm_user_cannot_speak_for_another_vm_even_on_its_own_routing_key(
+    amqp_url, tmp_path: Path
+):
+    """The topic permission checks the routing key, not the body: web-1's user may publish on
+    its own key a message that names web-2 (a User reboot, which the policy approves at
+    once). The approver and the audit, checking that each message comes from the user of the
+    VM it names, dead-letter it: no decision, no approval, nothing recorded about web-2."""
+    import dataclasses
+
+    from schemas.wire import lifecycle_message
+    from tests.consumers._factory import event, transition, vm
+
+    u = uuid.uuid4().hex[:6]
+    forger, victim = f"web-{u}-1", f"web-{u}-2"
+    approver_user, audit_user = f"approver-{u}", f"audit-{u}"
+    write_key_pair(tmp_path)
+    key = load_signing_key(tmp_path / "approver.key")
+    decisions: list[object] = []
+    with relay_vhost(
+        amqp_url, tmp_path, vms=(forger, victim), approvers=(approver_user,), audits=(audit_user,)
+    ) as relay:
+        async with (
+            open_ledger(str(tmp_path / "audit.db")) as ledger,
+            RabbitMQTransport(relay.url(approver_user)) as approver_link,
+            RabbitMQTransport(relay.url(audit_user)) as audit_link,
+            RabbitMQTransport(relay.url(vm_word(forger), declare="passive")) as forger_link,
+        ):
+            approver = ApproverService(
+                approver_link,
+                key,
+                PolicySet((ApproveUserInitiated(),)),
+                origin=Origin.VM_USER,
+                on_decision=decisions.append,
+            )
+            audit = AuditService(audit_link, ledger, origin=Origin.VM_USER)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(approver.run())
+                group.create_task(audit.run())
+                try:
+                    async with asyncio.timeout(20):
+                        while not (approver.stream.subscribed and audit.stream.subscribed):  # noqa: ASYNC110
+                            await asyncio.sleep(0.05)
+                    reboot = event("EVT-FORGED", source="User", resources=(victim,))
+                    outgoing = lifecycle_message(transition("scheduled", reboot, vm(victim)))
+                    own_key = f"scheduled.Reboot.{vm_word(forger)}"  # its topic permission
+                    await forger_link.publish(dataclasses.replace(outgoing, routing_key=own_key))
+                    async with asyncio.timeout(20):
+                        while approver.stream.stats.forged + audit.stream.stats.forged < 2:  # noqa: ASYNC110
+                            await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.5)  # nothing else may follow
+                finally:
+                    approver.stop()
+                    audit.stop()
+            history = await ledger.history(vm=victim)
+    assert decisions == []
+    assert history == []
+    assert approver.stream.stats.dead_lettered == audit.stream.stats.dead_lettered == 1
+
+
 def _ctl(ctl: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run([ctl, *args], capture_output=True, text=True, timeout=60, check=check)
 
