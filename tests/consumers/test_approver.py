@@ -13,10 +13,10 @@ from consumers import Action, ApprovalSender, FleetView, NoApprovalTarget, Polic
 from consumers._approver import ApproverService
 from consumers._audit import open_ledger
 from consumers._cli import main
-from schemas import Approval, key_id, load_public_keys, verify
+from schemas import Approval, ReplyAddress, key_id, load_public_keys, verify
 from schemas.approvals import generate_signing_key
 from schemas.messages import AgentMessage, TransitionMessage
-from schemas.transport import MemoryTransport
+from schemas.transport import MemoryTransport, OutgoingMessage
 from schemas.wire import lifecycle_message
 
 from ._factory import event, heartbeat, outcome, transition, vm
@@ -162,7 +162,7 @@ class _CountingSends(MemoryTransport):
         super().__init__(f"approver-{uuid.uuid4().hex}")
         self.in_flight = self.most = 0
 
-    async def send_approval(self, to, message) -> None:  # type: ignore[no-untyped-def]
+    async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
         self.in_flight += 1
         self.most = max(self.most, self.in_flight)
         try:
