@@ -43,7 +43,7 @@ from schemas import (
 )
 from schemas.approvals import write_key_pair
 from schemas.origin import OriginRejected, OriginVerifier
-from schemas.transport import DEAD_LETTER_REASON, open_transport
+from schemas.transport import DEAD_LETTER_REASON, OutgoingMessage, open_transport
 from schemas.wire import lifecycle_message
 
 
@@ -68,6 +68,21 @@ async def _signer(url: str) -> OriginSigner:
     await signer.refresh()
     await imds.aclose()
     return signer
+
+
+async def _forged_user_reboot(sim: Simulator, signer_url: str, victim: str) -> OutgoingMessage:
+    """``victim``'s Platform event turned into a User one (which the policy approves), signed
+    with the attested key of the VM at ``signer_url`` (the only key a forger can get)."""
+    forged = _scheduled(sim, victim)
+    forged_event = forged.data.event.model_copy(update={"event_source": "User"})
+    forged = forged.model_copy(
+        update={"data": forged.data.model_copy(update={"event": forged_event})}
+    )
+    outgoing = lifecycle_message(forged)
+    signer = await _signer(signer_url)
+    return dataclasses.replace(
+        outgoing, properties={**outgoing.properties, **signer.properties(outgoing.body)}
+    )
 
 
 def _verifier(sim: Simulator) -> OriginVerifier:
@@ -217,17 +232,7 @@ async def test_over_service_bus_signed_agents_are_approved_and_a_forgery_is_dead
                         not_before_seconds=900,
                     )
                 )
-                forged = _scheduled(sim, "web-8")
-                forged_event = forged.data.event.model_copy(update={"event_source": "User"})
-                forged = forged.model_copy(
-                    update={"data": forged.data.model_copy(update={"event": forged_event})}
-                )
-                outgoing = lifecycle_message(forged)
-                web7_signer = await _signer(server.vm_url("web-7"))
-                outgoing = dataclasses.replace(
-                    outgoing,
-                    properties={**outgoing.properties, **web7_signer.properties(outgoing.body)},
-                )
+                outgoing = await _forged_user_reboot(sim, server.vm_url("web-7"), "web-8")
                 await link.publish(outgoing)
                 async with link.dead_letters("approver") as dead:
                     async with asyncio.timeout(30):
@@ -280,17 +285,7 @@ async def test_over_service_bus_a_forged_copy_sent_first_does_not_hide_the_genui
             victim = sim.add_event(
                 EventSpec(event_type=EventType.REBOOT, resources=("web-8",), not_before_seconds=900)
             )
-            forged = _scheduled(sim, "web-8")
-            forged_event = forged.data.event.model_copy(update={"event_source": "User"})
-            forged = forged.model_copy(
-                update={"data": forged.data.model_copy(update={"event": forged_event})}
-            )
-            outgoing = lifecycle_message(forged)
-            web7_signer = await _signer(server.vm_url("web-7"))
-            outgoing = dataclasses.replace(
-                outgoing,
-                properties={**outgoing.properties, **web7_signer.properties(outgoing.body)},
-            )
+            outgoing = await _forged_user_reboot(sim, server.vm_url("web-7"), "web-8")
             await link.publish(outgoing)  # first, before web-8's agent says anything
             agent = Agent(
                 AgentSettings(
