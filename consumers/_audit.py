@@ -221,46 +221,42 @@ class Ledger(AsyncResource):
     ) -> list[LedgerEntry]:
         """Messages and decisions matching every criterion given, oldest first (at most
         ``limit``, the newest ones when there are more)."""
-        where: list[str] = []
-        args: list[object] = []
-        # A decision belongs to a VM's timeline when that VM was its target, or when it is
-        # about an event the VM reported (a wait or a never has no target).
-        decision_where: list[str] = []
-        decision_args: list[object] = []
-        if vm is not None:
-            where.append("lower(vm) = lower(?)")
-            args.append(vm)
-            decision_where.append(
-                "(lower(target) = lower(?) OR event_id IN (SELECT event_id FROM ledger_messages "
-                "WHERE lower(vm) = lower(?) AND event_id IS NOT NULL))"
+        # Criteria both tables share, then the VM's: a message is the VM's when the VM sent
+        # it; a decision when that VM was its target, or when it is about an event the VM
+        # reported (a wait or a never has no target).
+        shared: list[tuple[str, object]] = [
+            (test, value)
+            for test, value in (
+                ("event_id = ?", event_id),
+                ("lower(event_type) = lower(?)", event_type),
+                ("time >= ?", since),
+                ("time < ?", until),
             )
-            decision_args += [vm, vm]
-        for column, value in (("event_id", event_id), ("lower(event_type)", event_type)):
-            if value is not None:
-                test = f"{column} = lower(?)" if column.startswith("lower") else f"{column} = ?"
-                where.append(test)
-                decision_where.append(test)
-                args.append(value)
-                decision_args.append(value)
-        for test, moment in (("time >= ?", since), ("time < ?", until)):
-            if moment is not None:
-                where.append(test)
-                decision_where.append(test)
-                args.append(moment)
-                decision_args.append(moment)
-        clause = " AND ".join(where) or "1 = 1"
+            if value is not None
+        ]
+        by_message, by_decision = list(shared), list(shared)
+        if vm is not None:
+            by_message.append(("lower(vm) = lower(?)", vm))
+            by_decision.append(
+                (
+                    "(lower(target) = lower(?) OR event_id IN (SELECT event_id FROM "
+                    "ledger_messages WHERE lower(vm) = lower(?) AND event_id IS NOT NULL))",
+                    vm,
+                )
+            )
         bound = max(1, min(limit, MAX_ENTRIES))
-        messages = await self.db.fetch(
-            f"SELECT {_MESSAGE_COLUMNS} FROM ledger_messages WHERE {clause} "
-            f"ORDER BY time DESC, position DESC LIMIT {bound}",
-            *args,
-        )
-        decisions = await self.db.fetch(
-            f"SELECT {_DECISION_COLUMNS} FROM ledger_decisions "
-            f"WHERE {' AND '.join(decision_where) or '1 = 1'} "
-            f"ORDER BY time DESC, position DESC LIMIT {bound}",
-            *decision_args,
-        )
+
+        async def rows(table: str, columns: str, criteria: list[tuple[str, object]]) -> Any:
+            clause = " AND ".join(test for test, _ in criteria) or "1 = 1"
+            args = [value for test, value in criteria for _ in range(test.count("?"))]
+            return await self.db.fetch(
+                f"SELECT {columns} FROM {table} WHERE {clause} "
+                f"ORDER BY time DESC, position DESC LIMIT {bound}",
+                *args,
+            )
+
+        messages = await rows("ledger_messages", _MESSAGE_COLUMNS, by_message)
+        decisions = await rows("ledger_decisions", _DECISION_COLUMNS, by_decision)
         entries = [(_message_entry(row), 0, int(row[8])) for row in messages] + [
             (_decision_entry(row), 1, int(row[5])) for row in decisions
         ]
