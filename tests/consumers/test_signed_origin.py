@@ -85,6 +85,23 @@ async def _forged_user_reboot(sim: Simulator, signer_url: str, victim: str) -> O
     )
 
 
+def _agent(
+    imds_url: str, broker: str, channels: ChannelNames, trust_key: Path, tmp_path: Path
+) -> Agent:
+    """A real agent on the broker (on Service Bus it signs its messages)."""
+    return Agent(
+        AgentSettings(
+            imds_url=imds_url,
+            broker=broker,
+            state_dir=tmp_path / "state",
+            trust_keys=(trust_key,),
+            poll_interval=0.2,
+            drain_timeout=3.0,
+            channels=channels,
+        )
+    )
+
+
 def _verifier(sim: Simulator) -> OriginVerifier:
     return OriginVerifier(_trusted(sim))
 
@@ -197,17 +214,7 @@ async def test_over_service_bus_signed_agents_are_approved_and_a_forgery_is_dead
                 verifier=_verifier(sim),
                 on_decision=decisions.append,
             )
-            agent = Agent(
-                AgentSettings(
-                    imds_url=server.vm_url("web-7"),
-                    broker=broker,
-                    state_dir=tmp_path / "state",
-                    trust_keys=(public,),
-                    poll_interval=0.2,
-                    drain_timeout=3.0,
-                    channels=channels,
-                )
-            )
+            agent = _agent(server.vm_url("web-7"), broker, channels, public, tmp_path)
             assert agent.settings.signs  # auto: on, on Service Bus
             approving = asyncio.create_task(approver.run())
             run = asyncio.create_task(agent.run())
@@ -287,17 +294,7 @@ async def test_over_service_bus_a_forged_copy_sent_first_does_not_hide_the_genui
             )
             outgoing = await _forged_user_reboot(sim, server.vm_url("web-7"), "web-8")
             await link.publish(outgoing)  # first, before web-8's agent says anything
-            agent = Agent(
-                AgentSettings(
-                    imds_url=server.vm_url("web-8"),
-                    broker=broker,
-                    state_dir=tmp_path / "state",
-                    trust_keys=(public,),
-                    poll_interval=0.2,
-                    drain_timeout=3.0,
-                    channels=channels,
-                )
-            )
+            agent = _agent(server.vm_url("web-8"), broker, channels, public, tmp_path)
             approving = asyncio.create_task(approver.run())
             run = asyncio.create_task(agent.run())
             try:

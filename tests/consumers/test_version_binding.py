@@ -182,7 +182,7 @@ async def test_approve_from_the_command_line_binds_to_the_ledgers_version_and_wa
                     event_type=EventType.FREEZE, duration_in_seconds=5, not_before_seconds=900
                 )
             )
-            await _until_in_ledger(ledger, freeze.event_id)
+            await _until_reported(ledger, freeze.event_id, "Scheduled")
             contradicted = await asyncio.to_thread(
                 main, ["approve", freeze.event_id, "--vm", "web-7", *common,
                        "--event-version", "0" * 32]
@@ -192,7 +192,7 @@ async def test_approve_from_the_command_line_binds_to_the_ledgers_version_and_wa
                 main, ["approve", freeze.event_id, "--vm", "web-7", *common, "--timeout", "20"]
             )
             answer = capsys.readouterr().out
-            await _until_started(ledger, freeze.event_id)
+            await _until_reported(ledger, freeze.event_id, "Started")
             again = await asyncio.to_thread(
                 main, ["approve", freeze.event_id, "--vm", "web-7", *common, "--timeout", "1"]
             )
@@ -234,13 +234,8 @@ async def test_approve_from_the_command_line_binds_to_the_ledgers_version_and_wa
     assert "no outcome from web-7 within 1 s" in timeout_line
 
 
-async def _until_started(ledger, event_id: str) -> None:
+async def _until_reported(ledger, event_id: str, status: str) -> None:
+    """Until the ledger's newest report of the event (the audit writes it) has ``status``."""
     async with asyncio.timeout(15):
-        while ((await ledger.latest_event(event_id)) or {}).get("EventStatus") != "Started":  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-
-
-async def _until_in_ledger(ledger, event_id: str) -> None:
-    async with asyncio.timeout(15):
-        while await ledger.latest_event(event_id) is None:  # noqa: ASYNC110 - another service
+        while ((await ledger.latest_event(event_id)) or {}).get("EventStatus") != status:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
