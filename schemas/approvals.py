@@ -349,6 +349,8 @@ def load_signing_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
+#: The most of a trust key file read (a PEM Ed25519 public key is 113 bytes).
+_MAX_KEY_FILE = 64 * 1024
 #: An Ed25519 SubjectPublicKeyInfo is this DER prefix (algorithm 1.3.101.112) and the 32 bytes.
 _ED25519_SPKI = bytes.fromhex("302a300506032b6570032100")
 _PEM_PUBLIC = re.compile(
@@ -363,9 +365,15 @@ def load_public_keys(paths: Iterable[Path]) -> dict[str, TrustedKey]:
     keys: dict[str, TrustedKey] = {}
     for path in paths:
         try:
-            data = path.read_bytes()
+            with path.open("rb") as handle:
+                data = handle.read(_MAX_KEY_FILE + 1)
         except OSError as exc:
             raise ConfigError(f"cannot read the trust key {path}: {exc.strerror}") from exc
+        if len(data) > _MAX_KEY_FILE:
+            raise ConfigError(
+                f"{path} is not a PEM public key: over {_MAX_KEY_FILE // 1024} KiB (one is "
+                "about 113 bytes)"
+            )
         pem = _PEM_PUBLIC.search(data)
         try:
             der = base64.b64decode(b"".join(pem.group(1).split()), validate=True) if pem else b""

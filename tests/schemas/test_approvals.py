@@ -235,8 +235,9 @@ print("verified")
         ("hello", "is not a PEM public key"),
         ("-----BEGIN PUBLIC KEY-----\n!!!\n-----END PUBLIC KEY-----\n", "is not a PEM public key"),
         ("RSA", "is not an Ed25519 public key"),
+        ("HUGE", "over 64 KiB"),
     ],
-    ids=["not PEM", "bad base64", "RSA"],
+    ids=["not PEM", "bad base64", "RSA", "huge"],
 )
 def test_a_trust_key_that_is_not_an_ed25519_public_key_is_refused_naming_it(
     tmp_path: Path, text: str, complaint: str
@@ -250,6 +251,9 @@ def test_a_trust_key_that_is_not_an_ed25519_public_key_is_refused_naming_it(
         text = public.public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         ).decode()
+    if text == "HUGE":  # a real key followed by 100 MB: refused without reading it all
+        _, key_file = write_key_pair(tmp_path)
+        text = key_file.read_text() + " " * (100 << 20)
     path.write_text(text)
     with pytest.raises(ConfigError, match=complaint) as caught:
         load_public_keys([path])
