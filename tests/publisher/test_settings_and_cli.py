@@ -159,14 +159,17 @@ def test_a_state_dir_the_agent_cannot_use_is_one_line_and_exit_2(
         state.write_text("")
         expected = "is a file"
     elif where == "unwritable":
-        # root writes anywhere: the agent runs as nobody, as a hardened unit would
-        if os.getuid() == 0 and shutil.which("setpriv"):
-            prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-            state = Path("/var/lib") / f"relay-test-{tmp_path.name}"
-        elif os.getuid() != 0:
-            state = Path("/var/lib") / f"relay-test-{tmp_path.name}"
-        else:
-            pytest.skip("running as root without setpriv: cannot be a user that may not write")
+        # A state dir inside a directory nobody may write to. Root writes anywhere, so as root
+        # the agent runs without the capabilities that override file permissions, as a
+        # hardened unit would (and stays root: it can still read a clone in a private
+        # directory, which another user could not).
+        parent = tmp_path / "read-only"
+        parent.mkdir(mode=0o555)
+        state = parent / "state"
+        if os.getuid() == 0:
+            if not shutil.which("setpriv"):
+                pytest.skip("running as root without setpriv: cannot drop the override")
+            prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
         expected = "Permission denied"
     else:
         state = Path("/proc/self/agent-state")
