@@ -41,11 +41,17 @@ async def _health(port: int) -> tuple[int, dict[str, Any]] | None:
     return answer.status_code, answer.json()
 
 
-async def _until_status(port: int, status: int, within: float) -> dict[str, Any]:
+async def _until_status(port: int, status: int, within: float, **details: object) -> dict[str, Any]:
+    """The health answer once it has ``status`` and the ``details`` given (a service is
+    healthy while it starts, within its grace, before it has subscribed)."""
     async with asyncio.timeout(within):
         while True:
             answer = await _health(port)
-            if answer is not None and answer[0] == status:
+            if (
+                answer is not None
+                and answer[0] == status
+                and all(answer[1].get(k) == v for k, v in details.items())
+            ):
                 return answer[1]
             await asyncio.sleep(0.2)
 
@@ -67,7 +73,7 @@ async def test_the_audit_health_turns_503_during_an_outage_and_back(
                 cwd=ROOT, stderr=stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )  # fmt: skip
         try:
-            healthy = await _until_status(port, 200, within=30)
+            healthy = await _until_status(port, 200, within=30, subscribed=True)
             assert healthy["subscribed"] is True
 
             await proxy.cut()
