@@ -62,13 +62,14 @@ EVENT_VERSION_FIELDS = (
 )
 
 
-def _canonical(value: object) -> bytes:
+def canonical_json(value: object) -> bytes:
+    """``value`` as JSON with sorted keys and no spaces: equal values, equal bytes."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def content_fingerprint(value: object, *, digits: int = 32) -> str:
     """SHA-256 of the canonical JSON of ``value``, as ``digits`` lower-case hex digits."""
-    return hashlib.sha256(_canonical(value)).hexdigest()[:digits]
+    return hashlib.sha256(canonical_json(value)).hexdigest()[:digits]
 
 
 def event_version(event: ScheduledEvent) -> str:

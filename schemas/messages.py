@@ -23,6 +23,7 @@ JSON nested deeper than the parser allows, the character U+0000 anywhere, a ``se
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from datetime import UTC, datetime
@@ -44,7 +45,7 @@ from pydantic import (
 
 from ._errors import SchemaError
 from .channels import TYPE_PREFIX, MessageType, ReplyAddress, routing_key
-from .fingerprints import EVENT_VERSION_DEFINITION, content_fingerprint, event_version
+from .fingerprints import EVENT_VERSION_DEFINITION, canonical_json, event_version
 from .identity import VmIdentity
 from .imds import ScheduledEvent
 from .transitions import Transition
@@ -142,6 +143,7 @@ def expected_id(message: LifecycleMessage) -> str | None:
 
 #: Data fields that say when, not what: two messages that differ only there are one happening.
 _VOLATILE = frozenset({"document_incarnation", "uptime_seconds", "outbox_depth"})
+_VOLATILE_FIELDS: set[str] = set(_VOLATILE)  # the type pydantic's ``exclude`` takes
 
 
 def content_digest(message: LifecycleMessage | NewerMessage) -> str:
@@ -149,13 +151,20 @@ def content_digest(message: LifecycleMessage | NewerMessage) -> str:
     that only say when it was observed (the sequence, the time, the document incarnation). A
     repeat of a happening (a redelivery, a replay, the same transition announced again after
     the agent's state was lost) has the same digest; another message under the same id does
-    not, and is an id conflict."""
-    data = message.model_dump(mode="json")["data"]
-    if isinstance(data, dict):
-        data = {k: v for k, v in data.items() if k not in _VOLATILE}
-    return content_fingerprint(
-        {"type": message.type, "source": message.source, "subject": message.subject, "data": data}
-    )
+    not, and is an id conflict.
+
+    Computed for every message a consumer handles, so it serializes the validated data once, in
+    pydantic's core (field order is the model's, hence stable within a process: digests are kept
+    in memory and compared only with digests made by this same function)."""
+    if isinstance(message, NewerMessage):
+        data = {k: v for k, v in message.data.items() if k not in _VOLATILE}
+        said = canonical_json(data)
+    else:
+        said = message.data.model_dump_json(exclude=_VOLATILE_FIELDS).encode()
+    digest = hashlib.sha256(pydantic_core.to_json([message.type, message.source, message.subject]))
+    digest.update(b"\n")
+    digest.update(said)
+    return digest.hexdigest()[:32]
 
 
 def dataschema_uri(name: str) -> str:
@@ -307,8 +316,8 @@ class _Envelope(BaseModel):
     @field_validator("type")
     @classmethod
     def _known_type(cls, value: str) -> str:
-        kind = MessageType.from_cloudevents_type(value)
-        if kind is None or kind not in cls.kinds:
+        # A string lookup: this runs for every message a consumer decodes.
+        if value not in _CLOUDEVENTS_TYPES.get(cls, ()):
             raise ValueError(f"type {value!r} is not one of {sorted(k.value for k in cls.kinds)}")
         return value
 
@@ -553,6 +562,10 @@ def encode(message: LifecycleMessage) -> bytes:
 
 # The type read off the bytes to pick the envelope for the one-pass parse (a hint only: the
 # envelope validates the real top-level type, so a "type" elsewhere cannot fool it).
+#: Each envelope's CloudEvents ``type`` values.
+_CLOUDEVENTS_TYPES: dict[type[_Envelope], frozenset[str]] = {
+    envelope: frozenset(kind.cloudevents_type for kind in envelope.kinds) for envelope in ENVELOPES
+}
 _TYPE = re.compile(rb'"type"\s*:\s*"([^"\\]{1,200})"')
 _BY_TYPE: dict[bytes, type[_Envelope]] = {
     kind.cloudevents_type.encode(): envelope for kind, envelope in _BY_KIND.items()
