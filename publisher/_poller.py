@@ -7,8 +7,10 @@ sliding window over every request the agent makes (polls, approval POSTs, identi
 default at most 2 in any one-second window; a 429 halves that for a while (and the caller backs
 off), so the agent slows down when the VM is busy instead of adding to it. :class:`Cadence`
 polls once per ``poll_interval`` (1 s: one request per second while nothing is pending), faster
-(every ``fast_interval``, 0.5 s) for a while after a change or an approval, and while a
-Scheduled event's NotBefore is near.
+(every ``fast_interval``, 0.5 s) for a while after an event started or an approval was applied
+(its end, or its start, is seconds away), and while a Scheduled event's NotBefore is near. A
+new Scheduled event alone does not make polling fast: nothing happens to it soon unless it is
+approved, and a fleet-wide wave would otherwise double every VM's IMDS traffic at once.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class RequestLimiter:
 
 
 class Cadence:
-    """When the next poll is due. ``boost()`` (a change, an approval) makes polling fast for
+    """When the next poll is due. ``boost()`` (an event started, an approval) makes polling fast for
     ``fast_seconds``; ``wake()`` makes the next poll due now."""
 
     def __init__(

@@ -79,7 +79,7 @@ class AgentSettings:
     poll_interval: float = 1.0
     #: Poll interval while something is happening (a change, an approval, a near NotBefore).
     fast_poll_interval: float = 0.5
-    #: How long polling stays fast after a change or an approval.
+    #: How long polling stays fast after an event started or an approval was applied.
     fast_poll_seconds: float = 10.0
     #: Poll fast when a Scheduled event's NotBefore is closer than this.
     not_before_lead_seconds: float = 15.0
@@ -343,8 +343,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--state-dir", help=f"SQLite state directory (default {DEFAULT_STATE_DIR})")
     p.add_argument("--poll-interval", help="seconds between polls when idle (default 1)")
-    p.add_argument("--fast-poll-interval", help="seconds between polls while busy (default 0.25)")
-    p.add_argument("--fast-poll-seconds", help="how long polling stays fast (default 10)")
+    p.add_argument("--fast-poll-interval", help="seconds between polls while busy (default 0.5)")
+    p.add_argument(
+        "--fast-poll-seconds",
+        help="how long polling stays fast after an event started or an approval (default 10)",
+    )
     p.add_argument(
         "--not-before-lead-seconds", help="poll fast this close to a NotBefore (default 15)"
     )

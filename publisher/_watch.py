@@ -31,6 +31,7 @@ from schemas import (
     ReplyAddress,
     ScheduledEvent,
     ScheduledEventsDocument,
+    TransitionKind,
     TransitionMessage,
     VmIdentity,
     diff,
@@ -304,5 +305,9 @@ class Watcher:
             self._outbox.notify()
         if hooks:
             self._hooks.notify()
-        if transitions:
+        if any(t.kind is TransitionKind.STARTED for t in transitions):
+            # A running event ends soon (a Freeze in seconds): poll fast to report its end,
+            # which frees capacity for the next approval. A new Scheduled event alone changes
+            # nothing soon (its NotBefore coming near makes polling fast by itself), so it
+            # costs the VM's shared IMDS budget nothing more.
             self._cadence.boost()

@@ -125,3 +125,29 @@ async def test_a_429_halves_the_agents_rate_for_a_while_and_loses_nothing(tmp_pa
             await rec.wait_kind(MessageType.STARTED, within=15)
             assert time.monotonic() - started < 5
     assert [m.kind.value for m in rec.transitions()] == ["scheduled", "started"]
+
+
+async def test_a_wave_of_new_events_leaves_polling_at_once_a_second_until_one_starts(
+    tmp_path: Path,
+) -> None:
+    """A new Scheduled event whose NotBefore is far away makes nothing happen soon: polling stays
+    at once a second (a fleet-wide wave must not double every VM's IMDS traffic at once). Once an
+    event runs, its end is seconds away: the agent polls fast to report it."""
+    unique = uuid.uuid4().hex[:8]
+    broker, channels = f"memory://wave-{unique}", ChannelNames().suffixed(unique)
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path)  # the defaults
+        async with running(settings):
+            event = sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+            await rec.wait_kind(MessageType.SCHEDULED, within=15)
+            sim.reset_request_stats()
+            await asyncio.sleep(6)
+            while_scheduled = sim.request_stats("web-7").count(method="GET")
+            sim.start_event(event.event_id)
+            await rec.wait_kind(MessageType.STARTED, within=15)
+            sim.reset_request_stats()
+            await asyncio.sleep(3)
+            while_started = sim.request_stats("web-7").count(method="GET")
+    assert while_scheduled <= 7, f"{while_scheduled} polls in 6 s with nothing imminent"
+    assert while_started >= 5, f"only {while_started} polls in 3 s while an event runs"
