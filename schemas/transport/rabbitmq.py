@@ -123,7 +123,6 @@ class RabbitMQTransport(AsyncResource):
         self.channels = channels
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._channel: aio_pika.abc.AbstractRobustChannel | None = None
-        self._exchanges: dict[str, aio_pika.abc.AbstractExchange] = {}
         self._subscriptions: set[AmqpSubscription] = set()
         self._closing = False
         self._lost_at: float | None = None
@@ -172,8 +171,7 @@ class RabbitMQTransport(AsyncResource):
             async with asyncio.timeout(settings.connect_timeout):
                 await channel.initialize()
                 # Declared on the robust channel too, so a reconnect re-declares them.
-                for exchange in await self._declare_exchanges(channel):
-                    self._exchanges[exchange.name] = exchange
+                await self._declare_exchanges(channel)
         except BaseException as exc:
             await self.close()
             if isinstance(exc, FAILURES):
@@ -250,7 +248,6 @@ class RabbitMQTransport(AsyncResource):
         self._subscriptions.clear()
         connection, self._connection = self._connection, None
         self._channel = None
-        self._exchanges.clear()
         if connection is not None:
             await self._close_quietly(connection)
             log.info("disconnected from RabbitMQ %s", self.display_url)
@@ -350,17 +347,21 @@ class RabbitMQTransport(AsyncResource):
         while True:
             await self._wait_link(deadline, what)
             _, channel = self._require()
-            exchange = self._exchanges.get(exchange_name)
-            if exchange is None:
-                exchange = self._exchanges[exchange_name] = await channel.get_exchange(
-                    exchange_name, ensure=False
-                )
             try:
-                await exchange.publish(
-                    message,
-                    routing_key,
+                if channel.is_closed:
+                    raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
+                underlay = await channel.get_underlay_channel()
+                # wait=False: the channel is held only while the frames are queued for the
+                # socket, not until it drained, so the publishes of many agents sharing a
+                # connection pipeline; each still waits for its own confirm (or return).
+                await underlay.basic_publish(
+                    message.body,
+                    exchange=exchange_name,
+                    routing_key=routing_key,
+                    properties=message.properties,
                     mandatory=True,
                     timeout=self.settings.confirm_timeout,
+                    wait=False,
                 )
             except aiormq.exceptions.PublishError as exc:
                 problem = (
@@ -695,8 +696,6 @@ class RabbitMQTransport(AsyncResource):
                 await channel.exchange_delete(exchange)
 
         await self._declare(steps)
-        if exchanges:
-            self._exchanges.clear()
 
 
 def _amqp_message(message: OutgoingMessage, user_id: str | None) -> aio_pika.Message:

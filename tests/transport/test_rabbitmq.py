@@ -145,6 +145,28 @@ async def test_another_approval_ttl_is_a_config_error(
 
 
 @pytest.mark.rabbitmq
+async def test_publishes_sharing_a_connection_are_sent_at_once_not_ten_a_turn(
+    rabbit: RabbitMQTransport,
+) -> None:
+    """aiormq queues 10 frames a connection before a sender waits for room, and each slot freed
+    costs a waiting sender a turn of the event loop: with a thousand agents on one connection
+    and a busy loop, publishes waited seconds before they were even sent. Here 500 publishes
+    made at once are all handed to the connection in the first turns, then all confirmed."""
+    async with asyncio.timeout(BOUND):
+        await rabbit.declare_group("g")
+        await rabbit.publish(outgoing())
+        _, channel = rabbit._require()
+        underlay = await channel.get_underlay_channel()
+        before = underlay.delivery_tag
+        tasks = [asyncio.create_task(rabbit.publish(outgoing(str(n)))) for n in range(500)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        handed = underlay.delivery_tag - before
+        await asyncio.gather(*tasks)
+    assert handed == 500, f"only {handed} of 500 publishes were sent in 3 turns of the loop"
+
+
+@pytest.mark.rabbitmq
 async def test_the_broker_dead_letters_after_the_delivery_limit(amqp_url: str, unique: str) -> None:
     channels = ChannelNames().suffixed(unique)
     settings = AmqpSettings(delivery_limit=1, reconnect_timeout=5, confirm_timeout=5)
