@@ -177,6 +177,68 @@ async def run_sim(spec: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------- agents
 
+# ``FLEET_TRACE=1``: each agent process prints to stderr where a Scheduled event's time goes
+# on the agent's side (detection -> publish -> confirm; approval issued -> handled -> fresh
+# IMDS document -> POST done), as percentiles. ``FLEET_PROFILE=PATH``: cProfile of each agent
+# process from ready to stop, in ``PATH.<pid>``.
+
+#: (detected, publish began, confirmed) of each ``scheduled`` message.
+_PUBLISHES: list[tuple[float, float, float]] = []
+#: (issued, handling began, fresh document, POST done) of each approval applied.
+_APPROVALS: list[tuple[float, float, float, float]] = []
+
+
+def _trace_publishes(transport: Any) -> None:
+    from datetime import datetime
+
+    original = transport.publish
+
+    async def publish(message: Any) -> None:
+        began = time.time()
+        await original(message)
+        body = json.loads(message.body)
+        if body["type"].endswith(".scheduled"):
+            detected = datetime.fromisoformat(body["time"]).timestamp()
+            _PUBLISHES.append((detected, began, time.time()))
+
+    transport.publish = publish
+
+
+def _trace_approvals() -> None:
+    from publisher._approvals import ApprovalHandler
+
+    check, apply = ApprovalHandler._check_event, ApprovalHandler._apply
+    marks: dict[str, list[float]] = {}
+
+    async def traced_check(self: Any, approval: Any) -> Any:
+        marks[approval.approval_id] = [approval.issued_at.timestamp(), time.time()]
+        event = await check(self, approval)
+        marks[approval.approval_id].append(time.time())
+        return event
+
+    async def traced_apply(self: Any, approval: Any, event: Any) -> None:
+        await apply(self, approval, event)
+        issued, began, fresh = marks.pop(approval.approval_id)
+        _APPROVALS.append((issued, began, fresh, time.time()))
+
+    ApprovalHandler._check_event = traced_check  # type: ignore[method-assign]
+    ApprovalHandler._apply = traced_apply  # type: ignore[method-assign]
+
+
+def _trace_report() -> None:
+    def line(what: str, values: list[float]) -> None:
+        if not values:
+            return
+        ordered = sorted(values)
+        at = [ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)]
+        print(f"trace {what}: p50 {at[0]:.2f} p90 {at[1]:.2f} p99 {at[2]:.2f} s", file=sys.stderr)
+
+    line("detected -> publish began", [b - d for d, b, _ in _PUBLISHES])
+    line("publish began -> confirmed", [c - b for _, b, c in _PUBLISHES])
+    line("approval issued -> handled", [b - i for i, b, _, _ in _APPROVALS])
+    line("handled -> fresh IMDS document", [f - b for _, b, f, _ in _APPROVALS])
+    line("fresh document -> POST done", [p - f for _, _, f, p in _APPROVALS])
+
 
 async def run_agents(spec: dict[str, Any]) -> None:
     from publisher import Agent, AgentSettings
@@ -194,6 +256,10 @@ async def run_agents(spec: dict[str, Any]) -> None:
             transport = open_transport(spec["broker"], channels, name=f"fleet agents {n}")
             await transport.connect()
             transports.append(transport)
+            if os.environ.get("FLEET_TRACE"):
+                _trace_publishes(transport)
+    if os.environ.get("FLEET_TRACE"):
+        _trace_approvals()
     # One thread for every agent's SQLite here: a thousand threads of their own fight the event
     # loop for the GIL when a burst makes them all commit at once.
     state_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agents-state")
@@ -253,9 +319,19 @@ async def run_agents(spec: dict[str, Any]) -> None:
     failed = [t for t in tasks if t.done() and t.exception() is not None]
     _say(ready=len([a for a in agents if a.ready.is_set()]), seconds=round(time.time() - began, 1),
          failed=[repr(t.exception()) for t in failed[:3]])  # fmt: skip
+    profile = None
+    if os.environ.get("FLEET_PROFILE"):
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     async for command in _commands():
         if command["op"] == "stop":
             break
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(f"{os.environ['FLEET_PROFILE']}.{os.getpid()}")
+    _trace_report()
     for agent in agents:
         agent.stop("benchmark over")
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -38,6 +38,10 @@ a process of its own) instead of RabbitMQ: every agent has a transport of its ow
 SDK: a sender opened while publishing, a session receiver while it has an event to approve)
 and signs its messages; the approver reads the session-enabled ``approver`` subscription.
 
+``FLEET_TRACE=1`` in the environment makes each agent process print where the time goes on the
+agent's side (detection -> publish -> confirm; approval issued -> handled -> fresh IMDS
+document -> POST); ``FLEET_PROFILE=PATH`` writes a cProfile of each agent process.
+
 Prints a table, then as its last line one JSON object. Entities on the broker are named for
 the run and deleted afterwards. Asserts nothing (``tests/scale`` runs a short one that does).
 """
