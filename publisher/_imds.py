@@ -18,6 +18,7 @@ as it arrives (a document with thousands of events is well under the default 1 M
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -51,6 +52,12 @@ RETRYABLE_KINDS = frozenset(
 )
 #: The largest answer taken from IMDS.
 DEFAULT_MAX_BODY = 1024 * 1024
+
+
+@functools.cache
+def _version_query(api_version: str) -> str:
+    """``api-version=...``, made once per version (every poll asks for it)."""
+    return urlencode({"api-version": api_version})
 
 
 def _kind_of_status(status: int) -> str:
@@ -126,7 +133,11 @@ class ImdsClient:
         deadline = self.timeout if self._answered else self.first_timeout
         what = f"IMDS {method} {url}"
         path = self._prefix + url.removeprefix(self.base_url)
-        query = urlencode({"api-version": api_version, **(params or {})})
+        query = (
+            urlencode({"api-version": api_version, **params})
+            if params
+            else _version_query(api_version)
+        )
         try:
             async with asyncio.timeout(deadline):
                 response = await self._client.request(

@@ -32,8 +32,10 @@ __all__ = ["OutboxPublisher"]
 
 log = logging.getLogger(__name__)
 
-#: Check the store now and then even without a wake-up (rows left by a previous run).
-_IDLE_RECHECK = 5.0
+#: Check the store now and then even without a wake-up. Every commit wakes the publisher and
+#: the rows a previous run left are read at start, so this is a safety net only: every 30 s (a
+#: store read each time; every 5 s it was most of an idle agent's state traffic).
+_IDLE_RECHECK = 30.0
 
 
 class OutboxPublisher:
@@ -102,7 +104,8 @@ class OutboxPublisher:
                 self._metrics.outbox_depth.set(0)
                 self.empty.set()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), _IDLE_RECHECK)
+                    async with asyncio.timeout(_IDLE_RECHECK):
+                        await self._wake.wait()
                 continue
             self.empty.clear()
             self.oldest = rows[0].created

@@ -141,6 +141,8 @@ class Cadence:
     async def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``, or less when :meth:`wake` is called."""
         if seconds > 0 and not self._woken.is_set():
+            # asyncio.timeout, not wait_for: no task created and cancelled for every poll.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._woken.wait(), seconds)
+                async with asyncio.timeout(seconds):
+                    await self._woken.wait()
         self._woken.clear()
