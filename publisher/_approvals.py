@@ -113,17 +113,17 @@ class ApprovalHandler:
             await delivery.ack()
             return
         # Only a verified approval may count as seen: a forged copy must not shadow the real one.
-        if await self._store.approval_outcome(approval.approval_id) is not None:
+        record = await self._store.approval_record(approval.approval_id, approval.event_id)
+        if record.outcome is not None:
             log.info("approval %s was handled already: acked again", approval.approval_id)
             await delivery.ack()
             return
-        intent = await self._store.intent(approval.approval_id)
-        if intent is not None:
+        if record.intent is not None:
             # POSTed (or about to be) before the agent stopped: it counts as applied.
-            await self._reconcile(intent, approval)
+            await self._reconcile(record.intent, approval)
             await delivery.ack()
             return
-        attempt = await self._store.attempt(approval.approval_id)
+        attempt = record.attempt
         try:
             event = await self._check_event(approval)
         except ApprovalRejected as rejected:
@@ -155,11 +155,13 @@ class ApprovalHandler:
             )
             await delivery.ack()
             return
-        await self._apply(approval, event)
+        await self._apply(approval, event, record.applied_by)
         await delivery.ack()
 
-    async def _apply(self, approval: Approval, event: ScheduledEvent) -> None:
-        repeat = await self._repeat(approval)
+    async def _apply(
+        self, approval: Approval, event: ScheduledEvent, applied_by: str | None
+    ) -> None:
+        repeat = self._repeat(approval, applied_by)
         if self._settings.dry_run:
             log.info(
                 "dry run: approval %s for %s verified, not POSTed",
@@ -187,9 +189,9 @@ class ApprovalHandler:
         self._on_applied()
         await self._report(approval, event, None, repeat=repeat)
 
-    async def _repeat(self, approval: Approval) -> str | None:
-        """Why this may not be the first time the event was approved here, if it may not."""
-        earlier = await self._store.applied_by(approval.event_id)
+    def _repeat(self, approval: Approval, earlier: str | None) -> str | None:
+        """Why this may not be the first time the event was approved here (``earlier``: the
+        approval applied for it here before, if any), if it may not."""
         if earlier is not None:
             return f"event {approval.event_id} was approved here already (approval {earlier})"
         # No margin for clock skew: a false "may be a repeat" costs a word in a report, a

@@ -37,6 +37,7 @@ from schemas import ConfigError, LifecycleMessage, MessageType, ScheduledEventsD
 
 __all__ = [
     "STATE_FILE",
+    "ApprovalRecord",
     "Committed",
     "HookRun",
     "Intent",
@@ -169,6 +170,20 @@ class Intent:
     event_version: str
     body: bytes
     at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRecord:
+    """What the store knows of an approval as it arrives, read in one trip to the store."""
+
+    #: The outcome message already reported for it (handled before: ack it again).
+    outcome: bytes | None
+    #: Its intent, written before a POST that may have happened (reconcile it).
+    intent: Intent | None
+    #: The attempts at it so far, this one counted (0 when ``outcome`` or ``intent`` is set).
+    attempt: int
+    #: The approval applied for the same event here before, if any.
+    applied_by: str | None
 
 
 class StateStore:
@@ -312,10 +327,12 @@ class StateStore:
         found: bytes | None = await self._run(_approval_outcome, approval_id)
         return found
 
-    async def attempt(self, approval_id: str) -> int:
-        """Count one more attempt at an approval (durably); returns the count."""
-        count: int = await self._run(_attempt, approval_id)
-        return count
+    async def approval_record(self, approval_id: str, event_id: str) -> ApprovalRecord:
+        """Outcome, intent and earlier application of an approval, and (when it has neither an
+        outcome nor an intent) one more attempt counted durably: the checks an arriving
+        approval needs, in one trip to the store."""
+        found: ApprovalRecord = await self._run(_approval_record, approval_id, event_id)
+        return found
 
     async def record_intent(
         self, approval_id: str, event_id: str, event_version: str, body: bytes
@@ -323,18 +340,9 @@ class StateStore:
         """Before the POST: this approval is about to be applied."""
         await self._run(_record_intent, approval_id, event_id, event_version, body)
 
-    async def intent(self, approval_id: str) -> Intent | None:
-        found: Intent | None = await self._run(_intent, approval_id)
-        return found
-
     async def intents(self) -> list[Intent]:
         """Approvals whose POST may have happened with no outcome recorded (a crash)."""
         found: list[Intent] = await self._run(_intents)
-        return found
-
-    async def applied_by(self, event_id: str) -> str | None:
-        """The approval this store applied for the event, if any."""
-        found: str | None = await self._run(_applied_by, event_id)
         return found
 
     # --------------------------------------------------------------------------- hooks
@@ -565,6 +573,13 @@ def _approval_outcome(db: sqlite3.Connection, approval_id: str) -> bytes | None:
         "SELECT message FROM approvals WHERE approval_id = ?", (approval_id,)
     ).fetchone()
     return None if row is None else bytes(row[0])
+
+
+def _approval_record(db: sqlite3.Connection, approval_id: str, event_id: str) -> ApprovalRecord:
+    outcome = _approval_outcome(db, approval_id)
+    intent = None if outcome is not None else _intent(db, approval_id)
+    attempt = _attempt(db, approval_id) if outcome is None and intent is None else 0
+    return ApprovalRecord(outcome, intent, attempt, _applied_by(db, event_id))
 
 
 def _attempt(db: sqlite3.Connection, approval_id: str) -> int:

@@ -182,6 +182,8 @@ async def run_sim(spec: dict[str, Any]) -> None:
 # IMDS document -> POST done), as percentiles. ``FLEET_PROFILE=PATH``: cProfile of each agent
 # process from ready to stop, in ``PATH.<pid>``.
 
+#: How long each commit before an ack batch took (approver: its state and approval sends).
+_COMMITS: list[float] = []
 #: (detected, publish began, confirmed) of each ``scheduled`` message.
 _PUBLISHES: list[tuple[float, float, float]] = []
 #: (issued, handling began, fresh document, POST done) of each approval applied.
@@ -216,8 +218,8 @@ def _trace_approvals() -> None:
         marks[approval.approval_id].append(time.time())
         return event
 
-    async def traced_apply(self: Any, approval: Any, event: Any) -> None:
-        await apply(self, approval, event)
+    async def traced_apply(self: Any, approval: Any, event: Any, applied_by: Any) -> None:
+        await apply(self, approval, event, applied_by)
         issued, began, fresh = marks.pop(approval.approval_id)
         _APPROVALS.append((issued, began, fresh, time.time()))
 
@@ -295,6 +297,14 @@ async def run_agents(spec: dict[str, Any]) -> None:
         await agent.run()
 
     lag = LoopLag()
+    backlog: list[int] = []
+
+    async def sample_backlog() -> None:
+        while True:
+            backlog.append(state_thread._work_queue.qsize())
+            await asyncio.sleep(0.25)
+
+    sampler = asyncio.create_task(sample_backlog()) if os.environ.get("FLEET_TRACE") else None
     if os.environ.get("FLEET_LAG"):
         began_gc = [0.0]
 
@@ -332,6 +342,14 @@ async def run_agents(spec: dict[str, Any]) -> None:
         profile.disable()
         profile.dump_stats(f"{os.environ['FLEET_PROFILE']}.{os.getpid()}")
     _trace_report()
+    if sampler is not None:
+        sampler.cancel()
+        ordered = sorted(backlog)
+        print(
+            f"trace state-thread backlog: p50 {ordered[len(ordered) // 2]}, "
+            f"p99 {ordered[int(0.99 * len(ordered))]}, max {ordered[-1]} operations",
+            file=sys.stderr,
+        )
     for agent in agents:
         agent.stop("benchmark over")
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -449,8 +467,10 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
         if committed is not None:
 
             async def commit_then_journal() -> None:
+                began = time.time()
                 await committed()
                 seen.flush()
+                _COMMITS.append(time.time() - began)
 
             service.stream.before_ack = commit_then_journal
         runner = asyncio.create_task(service.run())
@@ -465,6 +485,12 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
                 break
         service.stop()
         await runner
+        if os.environ.get("FLEET_TRACE") and _COMMITS:
+            print(
+                f"trace {role} commits (before each ack batch): {len(_COMMITS)}, "
+                f"{sum(_COMMITS):.1f} s in all, longest {max(_COMMITS):.2f} s",
+                file=sys.stderr,
+            )
         stats = service.stream.stats
         _say(
             **seen.report(),
