@@ -460,6 +460,9 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
     def decided(decision: Decision) -> None:
         decisions.setdefault(decision.event_id, [decision.action.value, time.time()])
 
+    from consumers._cli import tune_collector
+
+    tune_collector()  # as the CLI runs the approver and the audit
     async with open_transport(spec["broker"], channels, name=f"fleet {role}") as transport:
         service: Any
         if role == "approver":

@@ -22,6 +22,10 @@ the two rates show whether the cost per message grows with the number of open ev
 
     python tests/benchmarks/approver_flood.py [--open 20000] [--flood 50000]
         [--store memory|sqlite|all] [--db postgresql://...] [--policy FILE]
+        [--default-collector]
+
+The service runs with the collector thresholds its CLI sets (``tune_collector``);
+``--default-collector`` keeps Python's, for comparison.
 
 Prints a table, then the figures as one JSON line. Asserts nothing.
 """
@@ -42,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from consumers._approver import ApproverService
+from consumers._cli import tune_collector
 from consumers._db import Database, open_database
 from consumers._policies import PolicySet, load_policy_file, parse_policy
 from consumers._schema import ensure_schema
@@ -317,7 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", choices=["memory", "sqlite", "all"], default="all")
     parser.add_argument("--db", help="also run with this PostgreSQL database (its rows removed)")
     parser.add_argument("--policy", help="a policy file (default: sample policy + a guard)")
+    parser.add_argument(
+        "--default-collector",
+        action="store_true",
+        help="keep Python's collector thresholds (the CLI's services tune them)",
+    )
     args = parser.parse_args(argv)
+    if not args.default_collector:
+        tune_collector()  # as the CLI runs the approver
     runs = asyncio.run(main_async(args))
     print()
     print(_table(runs))
