@@ -493,6 +493,16 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
                 _COMMITS.append(time.time() - began)
 
             service.stream.before_ack = commit_then_journal
+        sends: list[tuple[float, float]] = []  # (issued -> send began, send began -> confirmed)
+        if role == "approver" and os.environ.get("FLEET_TRACE"):
+            send = service.sender.send
+
+            async def traced_send(approval: Any, address: Any) -> None:
+                began = time.time()
+                await send(approval, address)
+                sends.append((began - approval.issued_at.timestamp(), time.time() - began))
+
+            service.sender.send = traced_send
         runner = asyncio.create_task(service.run())
         async with asyncio.timeout(60):
             while not service.stream.subscribed:  # noqa: ASYNC110 - the stream's own flag
@@ -505,6 +515,17 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
                 break
         service.stop()
         await runner
+        if sends:
+            for what, values in (
+                ("approval issued -> send began", [w for w, _ in sends]),
+                ("approval send began -> confirmed", [c for _, c in sends]),
+            ):
+                ordered = sorted(values)
+                print(
+                    f"trace {what}: p50 {ordered[len(ordered) // 2]:.2f} "
+                    f"p99 {ordered[int(0.99 * len(ordered))]:.2f} s",
+                    file=sys.stderr,
+                )
         if os.environ.get("FLEET_TRACE") and _COMMITS:
             print(
                 f"trace {role} commits (before each ack batch): {len(_COMMITS)}, "
