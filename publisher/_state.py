@@ -334,6 +334,11 @@ class StateStore:
         found: ApprovalRecord = await self._run(_approval_record, approval_id, event_id)
         return found
 
+    async def applied_among(self, event_ids: Sequence[str]) -> set[str]:
+        """Those of ``event_ids`` this store applied an approval for (its POST succeeded)."""
+        found: set[str] = await self._run(_applied_among, list(event_ids))
+        return found
+
     async def record_intent(
         self, approval_id: str, event_id: str, event_version: str, body: bytes
     ) -> None:
@@ -622,6 +627,10 @@ def _intents(db: sqlite3.Connection) -> list[Intent]:
         "SELECT approval_id, event_id, event_version, body, at FROM approval_intents ORDER BY at"
     )
     return [_intent_of(row) for row in cursor]
+
+
+def _applied_among(db: sqlite3.Connection, event_ids: list[str]) -> set[str]:
+    return {event_id for event_id in event_ids if _applied_by(db, event_id) is not None}
 
 
 def _applied_by(db: sqlite3.Connection, event_id: str) -> str | None:

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from schemas import (
@@ -31,6 +32,7 @@ from schemas import (
     ReplyAddress,
     ScheduledEvent,
     ScheduledEventsDocument,
+    Transition,
     TransitionKind,
     TransitionMessage,
     VmIdentity,
@@ -260,12 +262,27 @@ class Watcher:
                     event.not_before_text,
                 )
 
+    async def _ran_between_polls(self, transitions: list[Transition]) -> list[Transition]:
+        """An event gone while still Scheduled is reported ``canceled``, unless this agent
+        started it (its StartRequests POST succeeded): then it ran, start to end, between two
+        polls (a Freeze of seconds, a slow poll interval), and is reported ``completed``."""
+        gone = [t.event.event_id for t in transitions if t.kind is TransitionKind.CANCELED]
+        if not gone:
+            return transitions
+        started_here = await self._store.applied_among(gone)
+        return [
+            replace(t, kind=TransitionKind.COMPLETED)
+            if t.kind is TransitionKind.CANCELED and t.event.event_id in started_here
+            else t
+            for t in transitions
+        ]
+
     async def _commit(
         self, previous: ScheduledEventsDocument | None, document: ScheduledEventsDocument
     ) -> None:
         settings = self._settings
         vm = self._identity.name
-        transitions = diff(previous, document, self._revisions)
+        transitions = await self._ran_between_polls(diff(previous, document, self._revisions))
         revisions = revisions_after(self._revisions, transitions, document)
         chosen = [t for t in transitions if settings.all_events or t.event.affects(vm)]
         now = datetime.now(UTC)

@@ -4,6 +4,7 @@ reason and never POSTed, and the outcome is published before the delivery is ack
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -289,3 +290,51 @@ def _channels(name: str):
 
 def _fresh(approval: Approval) -> Approval:
     return approval.model_copy(update={"approval_id": str(uuid.uuid4())})
+
+
+async def test_an_event_it_started_that_ran_between_two_polls_is_reported_completed(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """With a slow poll and no fast polling (as a 10,000-VM fleet may run), a short Freeze this
+    agent approved starts and ends between two polls: IMDS never shows it Started. The agent's
+    own StartRequests succeeded, so the event ran: it is reported completed, not canceled."""
+    private, public = write_key_pair(tmp_path / "keys")
+    key = load_signing_key(private)
+    async with (
+        simulator_server("web-7") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        sim = server.simulator
+        event = sim.add_event(
+            EventSpec(
+                event_type=EventType.FREEZE,
+                resources=["web-7"],
+                not_before_seconds=900,
+                duration_in_seconds=5,
+                run_seconds=1,
+            )
+        )
+        state = tmp_path / "state"
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, state, trust_keys=(public,)
+        )
+        settings = replace(settings, poll_interval=4.0, fast_poll_seconds=0.0)
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED, within=15)
+            approval = sign(
+                new_approval(
+                    event.event_id,
+                    "web-7",
+                    decided_by="test",
+                    event_version=version_of(sim, event.event_id),
+                ),
+                key,
+            )
+            await _send(broker, approval)
+            assert (await _outcome(rec, approval.approval_id)).data.applied
+            await rec.wait_for(
+                lambda ms: any(m.kind.is_transition and m.kind.value != "scheduled" for m in ms),
+                within=20,
+            )
+        assert sim.get_event(event.event_id).state is EventState.COMPLETED
+    assert [m.kind.value for m in rec.transitions()] == ["scheduled", "completed"]
