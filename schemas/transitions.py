@@ -15,6 +15,11 @@ the same document again, or a new       (nothing)
 incarnation with the same events
 ======================================  ===========
 
+The agent knows one thing the documents do not: whether its own StartRequests for an event
+succeeded. An event it started that is gone while the last document still showed it Scheduled
+ran between two polls, and the agent reports it ``completed`` (``publisher/_watch.py``), not
+``canceled``.
+
 ``current`` must be a document IMDS really returned: an IMDS error or timeout is an exception
 in the caller, never an empty document, so it can never cancel or complete every event.
 
