@@ -12,7 +12,7 @@ from typing import Any
 
 from publisher import Agent, AgentSettings
 from publisher.simulator import Simulator, SimulatorConfig, SimulatorServer, serve
-from schemas import LifecycleMessage, MessageType, decode
+from schemas import Approval, LifecycleMessage, MessageType, decode, new_approval, sign
 from schemas.channels import ChannelNames
 from schemas.transport import Transport, open_transport
 
@@ -141,3 +141,14 @@ def version_of(simulator: Simulator, event_id: str) -> str:
             if raw["EventId"].casefold() == event_id.casefold():
                 return event_version(ScheduledEvent.from_imds(raw))
     return "0" * 32
+
+
+def signed_approval(
+    simulator: Simulator, event_id: str, vm: str, key: Any, *, decided_by: str = "test"
+) -> Approval:
+    """An approval of ``event_id`` for ``vm``, bound to the version the simulator shows now,
+    signed with ``key``."""
+    approval = new_approval(
+        event_id, vm, decided_by=decided_by, event_version=version_of(simulator, event_id)
+    )
+    return sign(approval, key)

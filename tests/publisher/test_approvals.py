@@ -23,7 +23,15 @@ from schemas.transport import open_transport
 from schemas.wire import approval_message
 
 from .conftest import Broker
-from .harness import Recorder, recorder, running, settings_for, simulator_server, version_of
+from .harness import (
+    Recorder,
+    recorder,
+    running,
+    settings_for,
+    signed_approval,
+    simulator_server,
+    version_of,
+)
 
 
 def _posts(server, vm: str) -> list[str]:
@@ -321,15 +329,7 @@ async def test_an_event_it_started_that_ran_between_two_polls_is_reported_comple
         settings = replace(settings, poll_interval=4.0, fast_poll_seconds=0.0)
         async with running(settings):
             await rec.wait_kind(MessageType.SCHEDULED, within=15)
-            approval = sign(
-                new_approval(
-                    event.event_id,
-                    "web-7",
-                    decided_by="test",
-                    event_version=version_of(sim, event.event_id),
-                ),
-                key,
-            )
+            approval = signed_approval(sim, event.event_id, "web-7", key)
             await _send(broker, approval)
             assert (await _outcome(rec, approval.approval_id)).data.applied
             await rec.wait_for(

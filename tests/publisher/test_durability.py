@@ -34,7 +34,15 @@ from schemas.channels import ChannelNames
 from schemas.transport import open_transport
 from schemas.wire import approval_message
 
-from .harness import Recorder, recorder, running, settings_for, simulator_server, version_of
+from .harness import (
+    Recorder,
+    recorder,
+    running,
+    settings_for,
+    signed_approval,
+    simulator_server,
+    version_of,
+)
 
 
 async def _spawn(args: list[str], log: Path) -> asyncio.subprocess.Process:
@@ -178,15 +186,7 @@ async def test_a_replayed_approval_after_the_state_was_wiped_is_reported_as_a_re
         )
         settings = settings_for(server, "web-7", broker, channels, state, trust_keys=(public,))
         async with running(settings):
-            approval = sign(
-                new_approval(
-                    event.event_id,
-                    "web-7",
-                    decided_by="t",
-                    event_version=version_of(sim, event.event_id),
-                ),
-                key,
-            )
+            approval = signed_approval(sim, event.event_id, "web-7", key, decided_by="t")
             await _send(broker, channels, approval)
             (first,) = await _outcomes(rec, approval.approval_id)
         assert first.data.applied
