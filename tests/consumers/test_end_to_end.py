@@ -22,7 +22,7 @@ from consumers._approver import ApproverService, Decision
 from consumers._audit import open_ledger
 from consumers._audit_service import AuditService
 from consumers._demo import run_demo
-from publisher import Agent, AgentSettings, HookSpec
+from publisher import Agent, HookSpec
 from publisher.simulator import EventSource as SimSource
 from publisher.simulator import EventSpec, EventType, Simulator, SimulatorConfig, serve
 from publisher.simulator import EventState as SimState
@@ -30,6 +30,8 @@ from schemas import ChannelNames, load_signing_key
 from schemas.approvals import write_key_pair
 from schemas.transport import open_transport
 from schemas.transport.rabbitmq import RabbitMQTransport
+
+from ._agents import agent_settings
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -66,16 +68,15 @@ async def test_policies_fleet_view_and_audit_on_live_events(
         audit = AuditService(audit_link, ledger)
         agents = [
             Agent(
-                AgentSettings(
-                    imds_url=server.vm_url(name),
-                    broker=amqp_url,
-                    state_dir=None,
-                    trust_keys=(public,),
-                    poll_interval=0.2,
+                agent_settings(
+                    server.vm_url(name),
+                    amqp_url,
+                    channels,
+                    public,
+                    None,
                     fast_poll_interval=0.1,
                     heartbeat_interval=5.0,
                     drain_timeout=5.0,
-                    channels=channels,
                     hooks=(HookSpec.parse("scheduled=true"),),
                 )
             )

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from consumers._audit import open_ledger
-from publisher import Agent, AgentSettings, HookSpec
+from publisher import Agent, HookSpec
 from publisher.simulator import (
     EventSource,
     EventSpec,
@@ -35,6 +35,8 @@ from publisher.simulator import (
 from schemas import ChannelNames, load_signing_key
 from schemas.approvals import write_key_pair
 from schemas.transitions import TransitionKind
+
+from ._agents import agent_settings
 
 pytestmark = [pytest.mark.slow]
 
@@ -132,15 +134,13 @@ async def _fleet(
 ) -> AsyncIterator[list[Agent]]:
     agents = [
         Agent(
-            AgentSettings(
-                imds_url=url_of(name),
-                broker=broker.url,
-                state_dir=None,
-                trust_keys=(public,),
-                poll_interval=0.2,
-                drain_timeout=3.0,
+            agent_settings(
+                url_of(name),
+                broker.url,
+                broker.channels,
+                public,
+                None,
                 heartbeat_interval=2.0,
-                channels=broker.channels,
                 hooks=(
                     (HookSpec(frozenset({TransitionKind.SCHEDULED}), hooks[name]),)
                     if hooks and name in hooks

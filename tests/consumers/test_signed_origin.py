@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from consumers import Action, DeadLetterReason, Origin
 from consumers._approver import ApproverService, Decision
-from publisher import Agent, AgentSettings
+from publisher import Agent
 from publisher._imds import ImdsClient
 from publisher._origin import OriginSigner
 from publisher.simulator import (
@@ -45,6 +45,8 @@ from schemas.approvals import write_key_pair
 from schemas.origin import OriginRejected, OriginVerifier
 from schemas.transport import DEAD_LETTER_REASON, OutgoingMessage, open_transport
 from schemas.wire import lifecycle_message
+
+from ._agents import agent_settings
 
 
 def _scheduled(sim: Simulator, vm: str, as_vm: str | None = None) -> TransitionMessage:
@@ -89,17 +91,7 @@ def _agent(
     imds_url: str, broker: str, channels: ChannelNames, trust_key: Path, tmp_path: Path
 ) -> Agent:
     """A real agent on the broker (on Service Bus it signs its messages)."""
-    return Agent(
-        AgentSettings(
-            imds_url=imds_url,
-            broker=broker,
-            state_dir=tmp_path / "state",
-            trust_keys=(trust_key,),
-            poll_interval=0.2,
-            drain_timeout=3.0,
-            channels=channels,
-        )
-    )
+    return Agent(agent_settings(imds_url, broker, channels, trust_key, tmp_path / "state"))
 
 
 def _verifier(sim: Simulator) -> OriginVerifier:

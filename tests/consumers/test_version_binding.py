@@ -18,7 +18,7 @@ import pytest
 from consumers import Action, PolicySet
 from consumers._approver import ApproverService, Decision
 from consumers._audit import open_ledger
-from publisher import Agent, AgentSettings
+from publisher import Agent
 from publisher.simulator import EventSpec, EventState, EventType, Simulator, SimulatorConfig, serve
 from schemas import (
     ApprovalOutcomeMessage,
@@ -33,6 +33,7 @@ from schemas.transport import open_transport
 from schemas.transport.rabbitmq import RabbitMQTransport
 
 from ..publisher.harness import recorder
+from ._agents import agent_settings
 
 pytestmark = [pytest.mark.rabbitmq]
 
@@ -67,15 +68,13 @@ async def _scenario(amqp_url, channels, public, key, simulator, tmp_path, decisi
         open_transport(amqp_url, channels) as link,
         recorder(amqp_url, channels) as rec,
     ):
-        settings = AgentSettings(
-            imds_url=server.vm_url("web-7"),
-            broker=amqp_url,
-            state_dir=tmp_path / "state",
-            trust_keys=(public,),
-            poll_interval=0.2,
-            drain_timeout=3.0,
+        settings = agent_settings(
+            server.vm_url("web-7"),
+            amqp_url,
+            channels,
+            public,
+            tmp_path / "state",
             imds_first_timeout=5.0,
-            channels=channels,
         )
         # The approver's group exists from the start (it is a standing service).
         await link.declare_group("approver", exclusive=True)
@@ -165,14 +164,8 @@ async def test_approve_from_the_command_line_binds_to_the_ledgers_version_and_wa
             audit = AuditService(link, ledger)
             auditing = asyncio.create_task(audit.run())
             agent = Agent(
-                AgentSettings(
-                    imds_url=server.vm_url("web-7"),
-                    broker=amqp_url,
-                    state_dir=tmp_path / "state",
-                    trust_keys=(public,),
-                    poll_interval=0.2,
-                    drain_timeout=3.0,
-                    channels=channels,
+                agent_settings(
+                    server.vm_url("web-7"), amqp_url, channels, public, tmp_path / "state"
                 )
             )
             run = asyncio.create_task(agent.run())
