@@ -142,8 +142,8 @@ def expected_id(message: LifecycleMessage) -> str | None:
 
 
 #: Data fields that say when, not what: two messages that differ only there are one happening.
-_VOLATILE = frozenset({"document_incarnation", "uptime_seconds", "outbox_depth"})
-_VOLATILE_FIELDS: set[str] = set(_VOLATILE)  # the type pydantic's ``exclude`` takes
+#: (A set, not a frozenset: the type pydantic's ``exclude`` takes.)
+_VOLATILE: set[str] = {"document_incarnation", "uptime_seconds", "outbox_depth"}
 
 
 def content_digest(message: LifecycleMessage | NewerMessage) -> str:
@@ -160,7 +160,7 @@ def content_digest(message: LifecycleMessage | NewerMessage) -> str:
         data = {k: v for k, v in message.data.items() if k not in _VOLATILE}
         said = canonical_json(data)
     else:
-        said = message.data.model_dump_json(exclude=_VOLATILE_FIELDS).encode()
+        said = message.data.model_dump_json(exclude=_VOLATILE).encode()
     digest = hashlib.sha256(pydantic_core.to_json([message.type, message.source, message.subject]))
     digest.update(b"\n")
     digest.update(said)
@@ -317,7 +317,7 @@ class _Envelope(BaseModel):
     @classmethod
     def _known_type(cls, value: str) -> str:
         # A string lookup: this runs for every message a consumer decodes.
-        if value not in _CLOUDEVENTS_TYPES.get(cls, ()):
+        if _ENVELOPE_OF_TYPE.get(value) is not cls:
             raise ValueError(f"type {value!r} is not one of {sorted(k.value for k in cls.kinds)}")
         return value
 
@@ -560,15 +560,15 @@ def encode(message: LifecycleMessage) -> bytes:
     return message.to_bytes()
 
 
+#: The envelope of each CloudEvents ``type`` (its validator checks a message's type here).
+_ENVELOPE_OF_TYPE: dict[str, type[_Envelope]] = {
+    kind.cloudevents_type: envelope for kind, envelope in _BY_KIND.items()
+}
 # The type read off the bytes to pick the envelope for the one-pass parse (a hint only: the
 # envelope validates the real top-level type, so a "type" elsewhere cannot fool it).
-#: Each envelope's CloudEvents ``type`` values.
-_CLOUDEVENTS_TYPES: dict[type[_Envelope], frozenset[str]] = {
-    envelope: frozenset(kind.cloudevents_type for kind in envelope.kinds) for envelope in ENVELOPES
-}
 _TYPE = re.compile(rb'"type"\s*:\s*"([^"\\]{1,200})"')
 _BY_TYPE: dict[bytes, type[_Envelope]] = {
-    kind.cloudevents_type.encode(): envelope for kind, envelope in _BY_KIND.items()
+    type_.encode(): envelope for type_, envelope in _ENVELOPE_OF_TYPE.items()
 }
 # U+0000 escaped in a JSON string (an odd number of backslashes before "u0000"): the character
 # that no database text type stores. A raw NUL byte is not valid JSON in the first place.
