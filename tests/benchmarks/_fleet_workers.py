@@ -239,19 +239,25 @@ def _trace_approvals() -> None:
     ApprovalHandler._apply = traced_apply  # type: ignore[method-assign]
 
 
-def _trace_report() -> None:
-    def line(what: str, values: list[float]) -> None:
-        if not values:
-            return
-        ordered = sorted(values)
-        at = [ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)]
-        print(f"trace {what}: p50 {at[0]:.2f} p90 {at[1]:.2f} p99 {at[2]:.2f} s", file=sys.stderr)
+def _trace(what: str, values: list[float], unit: str = "s") -> None:
+    """One FLEET_TRACE line on stderr: the p50, p90, p99 and max of ``values`` (none: nothing)."""
+    if not values:
+        return
+    ordered = sorted(values)
+    at = [ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)]
+    print(
+        f"trace {what}: p50 {at[0]:.2f} p90 {at[1]:.2f} p99 {at[2]:.2f} max {ordered[-1]:.2f} "
+        f"{unit}",
+        file=sys.stderr,
+    )
 
-    line("detected -> publish began", [b - d for d, b, _ in _PUBLISHES])
-    line("publish began -> confirmed", [c - b for _, b, c in _PUBLISHES])
-    line("approval issued -> handled", [b - i for i, b, _, _ in _APPROVALS])
-    line("handled -> fresh IMDS document", [f - b for _, b, f, _ in _APPROVALS])
-    line("fresh document -> POST done", [p - f for _, _, f, p in _APPROVALS])
+
+def _trace_report() -> None:
+    _trace("detected -> publish began", [b - d for d, b, _ in _PUBLISHES])
+    _trace("publish began -> confirmed", [c - b for _, b, c in _PUBLISHES])
+    _trace("approval issued -> handled", [b - i for i, b, _, _ in _APPROVALS])
+    _trace("handled -> fresh IMDS document", [f - b for _, b, f, _ in _APPROVALS])
+    _trace("fresh document -> POST done", [p - f for _, _, f, p in _APPROVALS])
 
 
 async def run_agents(spec: dict[str, Any]) -> None:
@@ -314,14 +320,16 @@ async def run_agents(spec: dict[str, Any]) -> None:
         await agent.run()
 
     lag = LoopLag()
-    backlog: list[int] = []
+    backlog: list[float] = []  # operations waiting for the shared state thread (state on disk)
 
     async def sample_backlog() -> None:
         while True:
             backlog.append(state_thread._work_queue.qsize())
             await asyncio.sleep(0.25)
 
-    sampler = asyncio.create_task(sample_backlog()) if os.environ.get("FLEET_TRACE") else None
+    sampler = None
+    if os.environ.get("FLEET_TRACE") and not isinstance(state_thread, _Inline):
+        sampler = asyncio.create_task(sample_backlog())
     if os.environ.get("FLEET_LAG"):
         began_gc = [0.0]
 
@@ -361,12 +369,7 @@ async def run_agents(spec: dict[str, Any]) -> None:
     _trace_report()
     if sampler is not None:
         sampler.cancel()
-        ordered = sorted(backlog)
-        print(
-            f"trace state-thread backlog: p50 {ordered[len(ordered) // 2]}, "
-            f"p99 {ordered[int(0.99 * len(ordered))]}, max {ordered[-1]} operations",
-            file=sys.stderr,
-        )
+        _trace("state-thread backlog", backlog, "operations")
     for agent in agents:
         agent.stop("benchmark over")
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -515,17 +518,8 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
                 break
         service.stop()
         await runner
-        if sends:
-            for what, values in (
-                ("approval issued -> send began", [w for w, _ in sends]),
-                ("approval send began -> confirmed", [c for _, c in sends]),
-            ):
-                ordered = sorted(values)
-                print(
-                    f"trace {what}: p50 {ordered[len(ordered) // 2]:.2f} "
-                    f"p99 {ordered[int(0.99 * len(ordered))]:.2f} s",
-                    file=sys.stderr,
-                )
+        _trace("approval issued -> send began", [w for w, _ in sends])
+        _trace("approval send began -> confirmed", [c for _, c in sends])
         if os.environ.get("FLEET_TRACE") and _COMMITS:
             print(
                 f"trace {role} commits (before each ack batch): {len(_COMMITS)}, "
