@@ -47,7 +47,8 @@ __all__ = ["FRAME_BUFFER", "RelayConnection", "connect_error", "login"]
 #: own default is 10). Ten fill at once on a connection that many agents share, or on a
 #: consumer's that acks while it publishes; each freed slot then costs a waiting sender a turn
 #: of the event loop, so on a busy loop a publish waited seconds for room before it was even
-#: sent (2,000 agents on one machine: p99 from detection to the approver 20 s, 6.6 s with this).
+#: sent (``tests/benchmarks/fleet.py --vms 2000``: p99 from detection to the approver 20 s,
+#: 3.3-5.3 s with this).
 #: The queue stays bounded by the publishes in flight: each publisher waits for its confirm.
 FRAME_BUFFER = 1024
 # aiormq reads it when it creates a connection; it has no per-connection setting for it.
