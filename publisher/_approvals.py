@@ -61,7 +61,7 @@ MAX_ATTEMPTS = 5
 
 
 class ApprovalHandler:
-    """Handles one delivery at a time (``handle``); ``on_applied`` is called after a POST.
+    """Handles one delivery at a time (``handle``); ``on_applied(event_id)`` is called after a POST.
     ``fresh`` gives a document IMDS returned after the call (see the watcher)."""
 
     def __init__(
@@ -78,7 +78,7 @@ class ApprovalHandler:
         epoch: str,
         store_created: float,
         committed: Callable[[], None],
-        on_applied: Callable[[], None],
+        on_applied: Callable[[str], None],
     ) -> None:
         self._settings = settings
         self._identity = identity
@@ -186,7 +186,7 @@ class ApprovalHandler:
                 approval, event, ApprovalRejected(RejectReason.IMDS_REFUSED, str(exc))
             )
             return
-        self._on_applied()
+        self._on_applied(approval.event_id)
         await self._report(approval, event, None, repeat=repeat)
 
     def _repeat(self, approval: Approval, earlier: str | None) -> str | None:

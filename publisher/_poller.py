@@ -7,10 +7,13 @@ sliding window over every request the agent makes (polls, approval POSTs, identi
 default at most 2 in any one-second window; a 429 halves that for a while (and the caller backs
 off), so the agent slows down when the VM is busy instead of adding to it. :class:`Cadence`
 polls once per ``poll_interval`` (1 s: one request per second while nothing is pending), faster
-(every ``fast_interval``, 0.5 s) for a while after an event started or an approval was applied
-(its end, or its start, is seconds away), and while a Scheduled event's NotBefore is near. A
-new Scheduled event alone does not make polling fast: nothing happens to it soon unless it is
-approved, and a fleet-wide wave would otherwise double every VM's IMDS traffic at once.
+(every ``fast_interval``, 0.5 s) while something is seconds away: after an event of this VM
+started (its end), or an approval was applied (its start, then its end), for at most
+``fast_seconds`` and only until that event is gone from the document; and while a Scheduled
+event's NotBefore is near. A new Scheduled event alone does not make polling fast: nothing
+happens to it soon unless it is approved, and a fleet-wide wave would otherwise double every
+VM's IMDS traffic at once. Nor does a neighbour's event (listed because it shares the
+placement group, but not in this VM's ``Resources``) unless the agent reports every event.
 """
 
 from __future__ import annotations
@@ -95,8 +98,9 @@ class RequestLimiter:
 
 
 class Cadence:
-    """When the next poll is due. ``boost()`` (an event started, an approval) makes polling fast for
-    ``fast_seconds``; ``wake()`` makes the next poll due now."""
+    """When the next poll is due. ``boost()`` (an event started, an approval applied) makes polling
+    fast for at most ``fast_seconds``, while an event watched runs or one approved here has yet
+    to start; ``wake()`` makes the next poll due now."""
 
     def __init__(
         self,
@@ -113,18 +117,29 @@ class Cadence:
         self.lead_seconds = lead_seconds
         self._clock = clock
         self._fast_until = 0.0
+        #: Events approved here (their StartRequests POSTed) not yet seen gone.
+        self._approved: set[str] = set()
         self._woken = asyncio.Event()
 
-    def boost(self) -> None:
+    def boost(self, approved: str | None = None) -> None:
+        """Poll fast from now: an event started, or the event ``approved`` was POSTed."""
         self._fast_until = self._clock() + self.fast_seconds
+        if approved is not None:
+            self._approved.add(approved)
 
     def wake(self) -> None:
         self._woken.set()
 
     def pending(self, events: Iterable[ScheduledEvent], now: datetime | None = None) -> bool:
-        """Whether something is about to happen: fast polling, or a Scheduled event whose
-        NotBefore is near (or passed, while it has not started)."""
-        if self._clock() < self._fast_until:
+        """Whether something is about to happen: an event that runs or was approved here, within
+        ``fast_seconds`` of the boost, or a Scheduled event whose NotBefore is near (or passed,
+        while it has not started)."""
+        events = tuple(events)
+        if self._approved:
+            self._approved.intersection_update(e.event_id for e in events)  # gone: over
+        if self._clock() < self._fast_until and any(
+            e.is_started or e.event_id in self._approved for e in events
+        ):
             return True
         moment = now or datetime.now(UTC)
         for event in events:

@@ -77,9 +77,11 @@ class AgentSettings:
     #: Where the SQLite state lives; None keeps it in memory (nothing survives the process).
     state_dir: Path | None = DEFAULT_STATE_DIR
     poll_interval: float = 1.0
-    #: Poll interval while something is happening (a change, an approval, a near NotBefore).
+    #: Poll interval while something is seconds away (an event of this VM runs or was approved
+    #: here, a NotBefore is near).
     fast_poll_interval: float = 0.5
-    #: How long polling stays fast after an event started or an approval was applied.
+    #: The longest polling stays fast after an event started or an approval was applied (it
+    #: slows down at once when that event is gone).
     fast_poll_seconds: float = 10.0
     #: Poll fast when a Scheduled event's NotBefore is closer than this.
     not_before_lead_seconds: float = 15.0
@@ -346,7 +348,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fast-poll-interval", help="seconds between polls while busy (default 0.5)")
     p.add_argument(
         "--fast-poll-seconds",
-        help="how long polling stays fast after an event started or an approval (default 10)",
+        help="the longest polling stays fast after an event of this VM started or an approval "
+        "was applied; it slows down as soon as that event has ended (default 10)",
     )
     p.add_argument(
         "--not-before-lead-seconds", help="poll fast this close to a NotBefore (default 15)"

@@ -322,9 +322,10 @@ class Watcher:
             self._outbox.notify()
         if hooks:
             self._hooks.notify()
-        if any(t.kind is TransitionKind.STARTED for t in transitions):
+        if any(t.kind is TransitionKind.STARTED for t in chosen):
             # A running event ends soon (a Freeze in seconds): poll fast to report its end,
-            # which frees capacity for the next approval. A new Scheduled event alone changes
-            # nothing soon (its NotBefore coming near makes polling fast by itself), so it
-            # costs the VM's shared IMDS budget nothing more.
+            # which frees capacity for the next approval, and only until it is gone. A new
+            # Scheduled event alone changes nothing soon (its NotBefore coming near makes
+            # polling fast by itself), and a neighbour's event is not this agent's to report:
+            # neither costs the VM's shared IMDS budget anything more.
             self._cadence.boost()

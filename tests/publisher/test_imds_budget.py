@@ -14,7 +14,14 @@ from pathlib import Path
 
 import requests
 
-from publisher.simulator import EventSource, EventSpec, EventType, FaultSpec
+from publisher.simulator import (
+    AvailabilitySetSpec,
+    EventSource,
+    EventSpec,
+    EventType,
+    FaultSpec,
+    Topology,
+)
 from schemas import MessageType
 from schemas.channels import ChannelNames
 
@@ -151,3 +158,51 @@ async def test_a_wave_of_new_events_leaves_polling_at_once_a_second_until_one_st
             while_started = sim.request_stats("web-7").count(method="GET")
     assert while_scheduled <= 7, f"{while_scheduled} polls in 6 s with nothing imminent"
     assert while_started >= 5, f"only {while_started} polls in 3 s while an event runs"
+
+
+async def test_polling_slows_down_as_soon_as_what_made_it_fast_is_over(tmp_path: Path) -> None:
+    """Fast polling is for an end (or a start) seconds away. Once the event this VM watched has
+    ended, nothing is pending: the agent is back at once a second at once, not for the rest of
+    ``fast_poll_seconds``. A neighbour's event (same placement group, not in this VM's
+    ``Resources``) running is not this agent's to report: it does not make polling fast."""
+    unique = uuid.uuid4().hex[:8]
+    broker, channels = f"memory://slowdown-{unique}", ChannelNames().suffixed(unique)
+    async with simulator_server() as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        sim.add_topology(Topology(availability_sets=(AvailabilitySetSpec(name="web", size=2),)))
+        settings = settings_for(server, "web-0", broker, channels, tmp_path)  # the defaults
+        async with running(settings):
+            neighbours = sim.add_event(
+                EventSpec(
+                    event_type=EventType.FREEZE,
+                    resources=("web-1",),
+                    not_before_seconds=900,
+                    run_seconds=60,
+                )
+            )
+            sim.start_event(neighbours.event_id)
+            await asyncio.sleep(2)  # seen Started by web-0's agent (not reported: not its own)
+            sim.reset_request_stats()
+            await asyncio.sleep(4)
+            while_a_neighbour_runs = sim.request_stats("web-0").count(method="GET")
+            sim.complete_event(neighbours.event_id)
+
+            own = sim.add_event(
+                EventSpec(
+                    event_type=EventType.FREEZE,
+                    resources=("web-0",),
+                    not_before_seconds=900,
+                    run_seconds=60,
+                )
+            )
+            await rec.wait_kind(MessageType.SCHEDULED, within=15)
+            sim.start_event(own.event_id)
+            await rec.wait_kind(MessageType.STARTED, within=15)
+            sim.complete_event(own.event_id)
+            await rec.wait_kind(MessageType.COMPLETED, within=15)
+            sim.reset_request_stats()
+            await asyncio.sleep(4)
+            after_the_end = sim.request_stats("web-0").count(method="GET")
+    assert [m.kind.value for m in rec.transitions()] == ["scheduled", "started", "completed"]
+    assert while_a_neighbour_runs <= 5, f"{while_a_neighbour_runs} polls in 4 s (a neighbour's)"
+    assert after_the_end <= 5, f"{after_the_end} polls in 4 s after the event ended"
