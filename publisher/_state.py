@@ -187,12 +187,15 @@ class ApprovalRecord:
 
 
 class StateStore:
-    """Open with :meth:`open`; ``path`` None keeps everything in memory (demo, tests)."""
+    """Open with :meth:`open`; ``path`` None keeps everything in memory (demo, tests, the fleet
+    benchmark's agents). A store on disk runs SQLite on a thread (a commit waits for the disk);
+    one in memory runs each operation at once in the caller's loop: there is nothing to wait
+    for, and a thread would cost every operation two turns of the loop and a wake-up."""
 
     def __init__(
         self,
         connection: sqlite3.Connection,
-        executor: ThreadPoolExecutor,
+        executor: ThreadPoolExecutor | None,
         limit: int,
         *,
         owns_executor: bool = True,
@@ -213,7 +216,10 @@ class StateStore:
     ) -> StateStore:
         """Open (creating) the store in ``directory``; :class:`ConfigError` saying what is
         wrong with a directory that cannot hold it. ``executor``: a single-thread executor to
-        share (its owner shuts it down); by default the store has a thread of its own."""
+        share (its owner shuts it down) for a store on disk; by default it has a thread of its
+        own. A store in memory (``directory`` None) and no executor runs inline."""
+        if directory is None and executor is None:
+            return cls(_connect(None, None), None, limit, owns_executor=False)
         owns = executor is None
         if executor is None:
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-state")
@@ -230,10 +236,15 @@ class StateStore:
         return store
 
     async def _run(self, fn: Any, *args: Any) -> Any:
+        if self._executor is None:
+            return fn(self._db, *args)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, partial(fn, self._db, *args))
 
     async def close(self) -> None:
+        if self._executor is None:
+            self._db.close()
+            return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._db.close)
         if self._owns_executor:

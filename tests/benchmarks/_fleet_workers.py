@@ -35,7 +35,7 @@ import os
 import sys
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -190,18 +190,6 @@ _PUBLISHES: list[tuple[float, float, float]] = []
 _APPROVALS: list[tuple[float, float, float, float]] = []
 
 
-class _Inline(ThreadPoolExecutor):
-    """An executor that runs each call at once, in the caller's thread."""
-
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # handed to the awaiting caller, as a thread would
-            future.set_exception(exc)
-        return future
-
-
 def _trace_publishes(transport: Any) -> None:
     from datetime import datetime
 
@@ -284,11 +272,9 @@ async def run_agents(spec: dict[str, Any]) -> None:
     # On its VM an agent has a thread of its own for its SQLite. Here a thousand agents share a
     # process: a thread each fight the event loop for the GIL when a burst makes them all commit
     # at once, and one shared thread made each operation wait behind up to 1,100 others (the
-    # backlog FLEET_TRACE shows). So with the state on disk they share one thread, and with it in
-    # memory (no I/O to wait for) each operation runs at once in the agents' own loop.
-    state_thread = (
-        _Inline() if state_root is None else ThreadPoolExecutor(1, thread_name_prefix="state")
-    )
+    # backlog FLEET_TRACE shows). So with the state on disk they share one thread; in memory (the
+    # default here) the store runs each operation at once in the agents' own loop.
+    state_thread = None if state_root is None else ThreadPoolExecutor(1, thread_name_prefix="state")
     agents = []
     for index, (name, url) in enumerate(vms):
         settings = AgentSettings(
@@ -322,14 +308,14 @@ async def run_agents(spec: dict[str, Any]) -> None:
     lag = LoopLag()
     backlog: list[float] = []  # operations waiting for the shared state thread (state on disk)
 
-    async def sample_backlog() -> None:
+    async def sample_backlog(thread: ThreadPoolExecutor) -> None:
         while True:
-            backlog.append(state_thread._work_queue.qsize())
+            backlog.append(thread._work_queue.qsize())
             await asyncio.sleep(0.25)
 
     sampler = None
-    if os.environ.get("FLEET_TRACE") and not isinstance(state_thread, _Inline):
-        sampler = asyncio.create_task(sample_backlog())
+    if os.environ.get("FLEET_TRACE") and state_thread is not None:
+        sampler = asyncio.create_task(sample_backlog(state_thread))
     if os.environ.get("FLEET_LAG"):
         began_gc = [0.0]
 
@@ -375,7 +361,8 @@ async def run_agents(spec: dict[str, Any]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     for transport in transports:
         await transport.close()
-    state_thread.shutdown(wait=True)
+    if state_thread is not None:
+        state_thread.shutdown(wait=True)
     published: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     for agent in agents:
