@@ -285,6 +285,16 @@ class Watcher:
         transitions = await self._ran_between_polls(diff(previous, document, self._revisions))
         revisions = revisions_after(self._revisions, transitions, document)
         chosen = [t for t in transitions if settings.all_events or t.event.affects(vm)]
+        if not chosen and self._stored_scope == self._scope:
+            # Only other VMs' events changed (a placement group's neighbours, not published
+            # without --all-events): nothing to publish, so nothing to make durable (on a VM,
+            # a synchronous write to disk). After a restart the agent diffs from the last
+            # document it stored, and their changes are left out just the same. Their
+            # revisions are kept in memory: an id is only ever given to what is published, and
+            # every publication stores them.
+            self._revisions = revisions
+            self.document = document
+            return
         now = datetime.now(UTC)
         messages = [
             TransitionMessage.build(t, vm=self._identity, reply_to=self._reply_to, observed_at=now)

@@ -179,8 +179,8 @@ async def run_sim(spec: dict[str, Any]) -> None:
 
 # ``FLEET_TRACE=1``: each agent process prints to stderr where a Scheduled event's time goes
 # on the agent's side (detection -> publish -> confirm; approval issued -> handled -> fresh
-# IMDS document -> POST done), as percentiles. ``FLEET_PROFILE=PATH``: cProfile of each agent
-# process from ready to stop, in ``PATH.<pid>``.
+# IMDS document -> POST done), as percentiles. ``FLEET_PROFILE=PATH``: cProfile of each process
+# in ``PATH.<role>.<pid>`` (an agent process's from ready to stop, the others' whole run).
 
 #: How long each commit before an ack batch took (approver: its state and approval sends).
 _COMMITS: list[float] = []
@@ -351,7 +351,7 @@ async def run_agents(spec: dict[str, Any]) -> None:
             break
     if profile is not None:
         profile.disable()
-        profile.dump_stats(f"{os.environ['FLEET_PROFILE']}.{os.getpid()}")
+        profile.dump_stats(f"{os.environ['FLEET_PROFILE']}.agents.{os.getpid()}")
     _trace_report()
     if sampler is not None:
         sampler.cancel()
@@ -526,10 +526,20 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
 def worker(role: str) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     spec = json.loads(sys.stdin.readline())
+    if role == "agents":
+        asyncio.run(run_agents(spec))  # profiled from the moment its agents are ready
+        return 0
+    profile = None
+    if os.environ.get("FLEET_PROFILE"):
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     if role == "sim":
         asyncio.run(run_sim(spec))
-    elif role == "agents":
-        asyncio.run(run_agents(spec))
     else:
         asyncio.run(run_central(role, spec))
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(f"{os.environ['FLEET_PROFILE']}.{role}.{os.getpid()}")
     return 0

@@ -6,10 +6,13 @@ an event to every VM of the placement group, as Azure does."""
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
 import uuid
 from pathlib import Path
 from typing import Any
 
+from publisher._state import STATE_FILE
 from publisher.simulator import EventSpec, EventType
 from schemas import MessageType
 from schemas.channels import ChannelNames
@@ -53,3 +56,46 @@ async def test_switching_all_events_off_and_on_again_loses_no_event(tmp_path: Pa
         (MessageType.SCHEDULED, own.event_id),
         (MessageType.SCHEDULED, second.event_id),
     }
+
+
+async def test_a_neighbours_event_costs_the_agent_no_write_to_its_disk(tmp_path: Path) -> None:
+    """A placement group of 100 VMs shows every VM each of the 100 events of a wave, three times
+    over (scheduled, started, gone). Without ``--all-events`` none of that is the agent's to
+    publish, so none of it is written to its state store (on a VM: a synchronous write, to
+    disk, each): only a change of its own events is. After a restart it diffs from its last
+    stored document, and a neighbour's changes are left out just the same."""
+    unique = uuid.uuid4().hex[:8]
+    broker, channels = f"memory://quiet-{unique}", ChannelNames().suffixed(unique)
+    state = tmp_path / "state"
+    async with simulator_server("web_0", "web_3") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web_0", broker, channels, state, poll_interval=0.2)
+        async with running(settings):
+            await rec.wait_kind(MessageType.AGENT_ONLINE)
+            await asyncio.sleep(1)  # its row confirmed and deleted
+            stored = sqlite3.connect(state / STATE_FILE)
+            before = stored.execute("PRAGMA data_version").fetchone()[0]
+            neighbours = sim.add_event(
+                EventSpec(event_type=EventType.FREEZE, resources=("web_3",), not_before_seconds=900)
+            )
+            await asyncio.sleep(1)
+            sim.start_event(neighbours.event_id)
+            await asyncio.sleep(1)
+            sim.complete_event(neighbours.event_id)
+            await asyncio.sleep(1)
+            after_a_neighbours_event = stored.execute("PRAGMA data_version").fetchone()[0]
+            own = sim.add_event(
+                EventSpec(event_type=EventType.FREEZE, resources=("web_0",), not_before_seconds=900)
+            )
+            await rec.wait_kind(MessageType.SCHEDULED)
+            after_its_own = stored.execute("PRAGMA data_version").fetchone()[0]
+            stored.close()
+        sim.cancel_event(own.event_id)
+        async with running(settings):
+            await rec.wait_kind(MessageType.CANCELED)
+    assert after_a_neighbours_event == before, "the agent wrote for a neighbour's event"
+    assert after_its_own != before
+    assert [(m.kind, m.subject) for m in rec.transitions()] == [
+        (MessageType.SCHEDULED, own.event_id),
+        (MessageType.CANCELED, own.event_id),
+    ]
