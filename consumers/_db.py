@@ -181,8 +181,16 @@ class SqliteDatabase(Database):
         return self._db
 
     async def execute(self, sql: str, *args: object) -> int:
-        async with self.transaction() as tx:
-            return await tx.execute(sql, *args)
+        import aiosqlite
+
+        # One statement is a transaction of its own (the connection is in autocommit mode):
+        # no BEGIN and COMMIT around it, half the trips to aiosqlite's thread (the audit makes
+        # one such append per message).
+        async with self._lock:
+            try:
+                return await _SqliteTransaction(self._conn()).execute(sql, *args)
+            except aiosqlite.Error as exc:
+                raise DatabaseError(f"{self.display}: {exc}") from exc
 
     async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
         import aiosqlite
