@@ -119,16 +119,23 @@ class Cadence:
         self._fast_until = 0.0
         #: Events approved here (their StartRequests POSTed) not yet seen gone.
         self._approved: set[str] = set()
-        self._woken = asyncio.Event()
+        #: Set by :meth:`wake`: poll now.
+        self._woken = False
+        #: Set by :meth:`wake` and :meth:`boost`: a waiting poller looks again at when to poll.
+        self._stirred = asyncio.Event()
 
     def boost(self, approved: str | None = None) -> None:
-        """Poll fast from now: an event started, or the event ``approved`` was POSTed."""
+        """Poll fast from now: an event started, or the event ``approved`` was POSTed (right
+        after the poll it asked for, so the next one may be planned a slow interval away:
+        :meth:`wait_next` plans it again)."""
         self._fast_until = self._clock() + self.fast_seconds
         if approved is not None:
             self._approved.add(approved)
+        self._stirred.set()
 
     def wake(self) -> None:
-        self._woken.set()
+        self._woken = True
+        self._stirred.set()
 
     def pending(self, events: Iterable[ScheduledEvent], now: datetime | None = None) -> bool:
         """Whether something is about to happen: an event that runs or was approved here, within
@@ -153,11 +160,26 @@ class Cadence:
         """The interval until the next poll, given the events this agent watches."""
         return self.fast_interval if self.pending(events, now) else self.interval
 
+    async def wait_next(self, began: float, events: Iterable[ScheduledEvent]) -> None:
+        """Wait until the poll after the one that began at ``began`` (on the cadence's clock) is
+        due, given the events watched: sooner when :meth:`wake` is called, and planned again
+        when :meth:`boost` is (a slow interval may turn fast meanwhile)."""
+        events = tuple(events)
+        await self._wait(lambda: began + self.next_interval(events))
+
     async def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``, or less when :meth:`wake` is called."""
-        if seconds > 0 and not self._woken.is_set():
+        deadline = self._clock() + seconds
+        await self._wait(lambda: deadline)
+
+    async def _wait(self, due: Callable[[], float]) -> None:
+        while not self._woken:
+            left = due() - self._clock()
+            if left <= 0:
+                break
+            self._stirred.clear()
             # asyncio.timeout, not wait_for: no task created and cancelled for every poll.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(seconds):
-                    await self._woken.wait()
-        self._woken.clear()
+                async with asyncio.timeout(left):
+                    await self._stirred.wait()
+        self._woken = False

@@ -164,8 +164,7 @@ class Watcher:
             self.polled.set()
             watched = self._watched(self.document)
             self._set_approvable(watched)
-            due = began + self._cadence.next_interval(watched)
-            await self._cadence.sleep(due - time.monotonic())
+            await self._cadence.wait_next(began, watched)
 
     def _failed(self, exc: ImdsError) -> None:
         self._metrics.imds_errors.labels(exc.kind).inc()

@@ -338,3 +338,39 @@ async def test_an_event_it_started_that_ran_between_two_polls_is_reported_comple
             )
         assert sim.get_event(event.event_id).state is EventState.COMPLETED
     assert [m.kind.value for m in rec.transitions()] == ["scheduled", "completed"]
+
+
+async def test_after_an_approval_a_slow_poll_turns_fast_at_once_and_sees_the_event_start(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """With a slow poll (one every 5 s, as a large fleet may run) the agent POSTs an approval
+    right after the fresh look it asked for, and so after the watcher planned its next poll 5 s
+    away. Polling must turn fast from the POST on, not 5 s later: a Freeze of 2 s starts and
+    ends within those 5 s, and its start would never be seen."""
+    private, public = write_key_pair(tmp_path / "keys")
+    key = load_signing_key(private)
+    async with (
+        simulator_server("web-7") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        sim = server.simulator
+        event = sim.add_event(
+            EventSpec(
+                event_type=EventType.FREEZE,
+                resources=["web-7"],
+                not_before_seconds=900,
+                duration_in_seconds=5,
+                run_seconds=2,
+            )
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
+        )
+        settings = replace(settings, poll_interval=5.0)  # fast polling as by default
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED, within=15)
+            approval = signed_approval(sim, event.event_id, "web-7", key)
+            await _send(broker, approval)
+            assert (await _outcome(rec, approval.approval_id)).data.applied
+            await rec.wait_kind(MessageType.COMPLETED, within=20)
+    assert [m.kind.value for m in rec.transitions()] == ["scheduled", "started", "completed"]
