@@ -25,9 +25,12 @@ window drops what was handled).
 A handler whose work must be durable before its message is acked can do that work for a whole
 batch at once: ``before_ack`` is awaited before the handled messages waiting for their ack are
 acked (and remembered as handled), so one commit serves up to ``ack_batch`` messages instead of
-one each (the approver with a database: :mod:`consumers._approver`). When it fails, they are
-neither acked nor remembered: the subscription is opened again and the broker delivers them
-once more.
+one each (the approver with a database: :mod:`consumers._approver`). It is group commit: a batch
+is flushed when it is full, when the stream has nothing more to read (``ack_interval`` after the
+last message handled), or when its first message has waited ``ack_max_delay`` behind a backlog;
+so under a burst each commit serves a full batch, and a lone message is committed at once. When
+it fails, they are neither acked nor remembered: the subscription is opened again and the broker
+delivers them once more.
 
 A consumer group scales out by running more processes on the same group name: the broker shares
 the group's queue between them (``exclusive=True``: one active consumer at a time, in order).
@@ -38,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -196,6 +200,7 @@ class FleetStream:
         retry_delay: float = 0.05,
         ack_batch: int = 128,
         ack_interval: float = 0.02,
+        ack_max_delay: float = 0.25,
         transient: bool = False,
         origin: Origin | None = None,
         verifier: OriginVerifier | None = None,
@@ -218,10 +223,14 @@ class FleetStream:
         self.verifier = verifier
         self.newer = newer
         self.before_ack = before_ack
-        # Where the transport can ack many deliveries in one frame, handled messages are acked
-        # in batches of up to ack_batch, at the latest ack_interval seconds after handling.
+        # Where the transport can ack many deliveries in one frame (or before_ack commits),
+        # handled messages are acked in batches of up to ack_batch: ack_interval seconds after
+        # the stream ran out of messages to read, or ack_max_delay after the batch's first.
         self.ack_batch = max(1, min(ack_batch, prefetch // 2 or 1))
         self.ack_interval = ack_interval
+        self.ack_max_delay = max(ack_max_delay, ack_interval)
+        #: When the oldest delivery waiting for its batch was handled (monotonic).
+        self._batch_began: float | None = None
         self.stats = StreamStats()
         self._unacked: list[Delivery] = []
         #: Handled, not yet remembered in the dedupe window (before_ack comes first).
@@ -589,6 +598,8 @@ class FleetStream:
         self.stats.handled += 1
         later = self.before_ack is not None or _acks_through(delivery)
         if batch and self.ack_batch > 1 and later:
+            if not self._unacked:
+                self._batch_began = time.monotonic()
             self._unacked.append(delivery)
             if len(self._unacked) >= self.ack_batch:
                 await self._flush()
@@ -626,6 +637,7 @@ class FleetStream:
         acks through), after ``before_ack``."""
         async with self._flushing:
             batch, self._unacked = self._unacked, []
+            self._batch_began = None
             if not await self._remember():
                 self._broken = True
                 return
@@ -640,9 +652,15 @@ class FleetStream:
                     return
 
     async def _flush_regularly(self) -> None:
+        """Flush once the stream waits for its next delivery (nothing left to read: what it
+        handled is committed now), or once a batch's first message waited ``ack_max_delay``
+        while a backlog kept the stream reading; a full batch flushes as it fills."""
         while True:
             await asyncio.sleep(self.ack_interval)
-            await self._flush()
+            began = self._batch_began
+            overdue = began is not None and time.monotonic() - began >= self.ack_max_delay
+            if self._waiting or overdue:
+                await self._flush()
 
     async def _failed(self, delivery: Delivery, message: Admitted, error: BaseException) -> None:
         attempt = delivery.delivery_count + 1

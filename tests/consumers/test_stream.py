@@ -269,3 +269,44 @@ def test_the_stream_reads_every_envelope_with_the_one_decode():
     reordered = json.loads(messages[0].to_bytes())
     reordered = {"data": {"type": "io.github.scheduledeventsrelay.agent.online"}, **reordered}
     assert decode(json.dumps(reordered).encode()) == messages[0]
+
+
+async def test_a_backlog_is_committed_in_full_batches_and_a_lone_message_at_once(transport):
+    """``before_ack`` (a commit) is group commit: while messages are waiting, one commit serves a
+    full batch (``ack_batch``), not whatever the last 20 ms of handling gave, which made a
+    durable approver commit ten times as often as needed and fall behind a fleet's burst. When
+    the stream has nothing more to read, what it handled is committed at once."""
+    handled: list[Any] = []
+    commits: list[int] = []
+    all_committed = asyncio.Event()
+    expected = [640]
+
+    async def before_ack() -> None:
+        commits.append(len(handled))
+        if len(handled) >= expected[0]:
+            all_committed.set()
+
+    async def handler(message: LifecycleMessage) -> None:
+        handled.append(message)
+        await asyncio.sleep(0.002)  # a database round trip, say
+
+    stream = FleetStream(transport, "approver", prefetch=256, before_ack=before_ack)
+    stream.add_handler(handler)
+    for index in range(640):
+        await transport.publish(lifecycle_message(heartbeat(vm(f"web-{index}"))))
+    task = asyncio.create_task(stream.run())
+    try:
+        async with asyncio.timeout(10):
+            await all_committed.wait()
+        backlog = list(commits)
+        expected[0] = 641
+        all_committed.clear()
+        await transport.publish(lifecycle_message(heartbeat(vm("web-lone"))))
+        async with asyncio.timeout(1):
+            await all_committed.wait()
+    finally:
+        stream.stop()
+        await task
+    assert stream.ack_batch == 128
+    assert len(backlog) <= 6, f"{len(backlog)} commits for a backlog of 640: {backlog}"
+    assert transport.broker.depth("approver") == 0
