@@ -11,11 +11,15 @@ live events and their phases, approvals sent and their versions, hook results, a
 who is unavailable — and sends again what it cannot be sure went out. Without one, it says at
 start that a failover forgets.
 
-A message is acked only after its decisions are committed and its approvals confirmed by the
-broker, so a crash loses no decision: the message comes back to the next active process. With a
-database, the messages of one ack batch are committed together (:meth:`ApproverService.commit`,
-which the stream awaits before it acks them): one transaction for up to a batch of messages
-instead of one each, which is what lets the durable approver keep up with a fleet's burst.
+A message is acked only once a crash can no longer lose its decisions. Without a database,
+after its approvals are confirmed by the broker: the message comes back to the next active
+process. With one, the messages of one ack batch are committed together, with their decisions
+and their approvals as ``sending`` (:meth:`ApproverService.commit`, which the stream awaits
+before it acks them): one transaction for up to a batch of messages instead of one each. The
+approvals then go out while the stream reads on, and are marked sent in a later commit; a
+process that takes over sends again whatever is still ``sending`` (an agent applies an
+approval once, whatever the copies). Holding the stream until the broker confirmed each
+batch's approvals capped a busy approver at one batch per confirm round trip.
 
 Per message, the work does not grow with the number of open events: the message's own event is
 decided again, and, when it changes who is unavailable, only the events a guard holds that the
@@ -82,6 +86,8 @@ RETRY_PAUSES = (5.0, 10.0, 20.0, 40.0)
 MAX_APPROVALS_PER_VERSION = 5
 #: Approvals sent at once (each waits for the broker's confirm).
 SENDS_IN_FLIGHT = 64
+#: How long a stopping approver waits for the approvals it is sending.
+SEND_DRAIN_SECONDS = 5.0
 #: How often pruning and the look at holds happen (housekeeping).
 HOUSEKEEPING_SECONDS = 1.0
 
@@ -185,6 +191,8 @@ class ApproverService:
         #: Event -> the groups and VMs it waits under in those two.
         self._held_on: dict[str, tuple[tuple[Group, ...], tuple[str, ...]]] = {}
         self._unsent: list[PendingApproval] = []
+        #: Committed approvals on their way (with a database, sent while the stream reads on).
+        self._sending: set[asyncio.Task[None]] = set()
         #: With a database: what the messages handled since the last commit changed.
         self._staged = _Plan()
         self._lock = asyncio.Lock()
@@ -217,6 +225,18 @@ class ApproverService:
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await housekeeping
+            if self._sending:  # let them finish; what is cut off stays ``sending``
+                _, late = await asyncio.wait(self._sending, timeout=SEND_DRAIN_SECONDS)
+                for task in late:
+                    task.cancel()
+                if late:
+                    log.warning(
+                        "approver %s: %d approval send(s) cut off at stop: still 'sending', "
+                        "sent again by the next active approver",
+                        self.decided_by,
+                        len(late),
+                    )
+                    await asyncio.wait(late)
 
     def stop(self) -> None:
         self.stream.stop()
@@ -271,7 +291,7 @@ class ApproverService:
             self._loaded = False  # the view holds what was not committed: load it again
             raise
         self._made(plan)
-        await self._send(plan.approvals)
+        self._send_detached(plan.approvals)
 
     # ----------------------------------------------------------------------------- deciding
 
@@ -503,14 +523,36 @@ class ApproverService:
 
     # ------------------------------------------------------------------------------ sending
 
-    async def _send(self, approvals: list[PendingApproval]) -> None:
-        """Send committed approvals, up to :data:`SENDS_IN_FLIGHT` at once (each waits for
-        the broker's confirm: one after the other, a wave of 1,800 approvals took 36 s); one
-        the broker refuses for good (no queue for that VM) is void and the event is decided
-        again (another VM); those a lost link stopped are kept for the next message, and this
-        one fails (it comes back)."""
+    def _send_detached(self, approvals: list[PendingApproval]) -> None:
+        """Send committed approvals without holding up the stream (see the module docstring);
+        what happens to them is settled under the lock when the broker has answered."""
         if not approvals:
             return
+
+        async def send() -> None:
+            outcomes = await self._deliver(approvals)
+            async with self._lock:
+                try:
+                    await self._settle_sends(approvals, outcomes)
+                except TransportError as exc:
+                    log.warning(
+                        "approvals not confirmed (%s): sent again with the next message", exc
+                    )
+
+        task = asyncio.create_task(send(), name="approver-send")
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, approvals: list[PendingApproval]) -> None:
+        """Send approvals (without a database, or again) and settle them: see
+        :meth:`_settle_sends`."""
+        if approvals:
+            await self._settle_sends(approvals, await self._deliver(approvals))
+
+    async def _deliver(self, approvals: list[PendingApproval]) -> list[BaseException | None]:
+        """Send approvals, up to :data:`SENDS_IN_FLIGHT` at once (each waits for the broker's
+        confirm: one after the other, a wave of 1,800 approvals took 36 s); each one's failure,
+        if any."""
         room = asyncio.Semaphore(SENDS_IN_FLIGHT)
 
         async def send(pending: PendingApproval) -> BaseException | None:
@@ -521,7 +563,14 @@ class ApproverService:
                     return exc
                 return None
 
-        outcomes = await asyncio.gather(*(send(pending) for pending in approvals))
+        return await asyncio.gather(*(send(pending) for pending in approvals))
+
+    async def _settle_sends(
+        self, approvals: list[PendingApproval], outcomes: list[BaseException | None]
+    ) -> None:
+        """One the broker refused for good (no queue for that VM) is void and the event is
+        decided again (another VM); those a lost link stopped are kept for the next message,
+        and this raises the link's error (without a database the message comes back)."""
         link_lost: TransportError | None = None
         for pending, outcome in zip(approvals, outcomes, strict=True):
             approval = pending.approval

@@ -300,12 +300,17 @@ def _fresh(approval: Approval) -> Approval:
     return approval.model_copy(update={"approval_id": str(uuid.uuid4())})
 
 
-async def test_an_event_it_started_that_ran_between_two_polls_is_reported_completed(
-    broker: Broker, tmp_path: Path
-) -> None:
-    """With a slow poll and no fast polling (as a 10,000-VM fleet may run), a short Freeze this
-    agent approved starts and ends between two polls: IMDS never shows it Started. The agent's
-    own StartRequests succeeded, so the event ran: it is reported completed, not canceled."""
+async def _approve_a_short_freeze(
+    broker: Broker,
+    tmp_path: Path,
+    *,
+    run_seconds: float,
+    poll_interval: float,
+    fast_poll_seconds: float | None = None,
+) -> tuple[list[str], EventState]:
+    """A Freeze of ``run_seconds`` on web-7, approved once the agent (polling every
+    ``poll_interval``, fast polling as by default unless ``fast_poll_seconds``) reported it:
+    the transitions reported, and the event's state in the simulator."""
     private, public = write_key_pair(tmp_path / "keys")
     key = load_signing_key(private)
     async with (
@@ -319,25 +324,38 @@ async def test_an_event_it_started_that_ran_between_two_polls_is_reported_comple
                 resources=["web-7"],
                 not_before_seconds=900,
                 duration_in_seconds=5,
-                run_seconds=1,
+                run_seconds=run_seconds,
             )
         )
-        state = tmp_path / "state"
         settings = settings_for(
-            server, "web-7", broker.url, broker.channels, state, trust_keys=(public,)
+            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
         )
-        settings = replace(settings, poll_interval=4.0, fast_poll_seconds=0.0)
+        settings = replace(settings, poll_interval=poll_interval)
+        if fast_poll_seconds is not None:
+            settings = replace(settings, fast_poll_seconds=fast_poll_seconds)
         async with running(settings):
             await rec.wait_kind(MessageType.SCHEDULED, within=15)
             approval = signed_approval(sim, event.event_id, "web-7", key)
             await _send(broker, approval)
             assert (await _outcome(rec, approval.approval_id)).data.applied
             await rec.wait_for(
-                lambda ms: any(m.kind.is_transition and m.kind.value != "scheduled" for m in ms),
+                lambda ms: any(m.kind in (MessageType.COMPLETED, MessageType.CANCELED) for m in ms),
                 within=20,
             )
-        assert sim.get_event(event.event_id).state is EventState.COMPLETED
-    assert [m.kind.value for m in rec.transitions()] == ["scheduled", "completed"]
+        return [m.kind.value for m in rec.transitions()], sim.get_event(event.event_id).state
+
+
+async def test_an_event_it_started_that_ran_between_two_polls_is_reported_completed(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """With a slow poll and no fast polling (as a 10,000-VM fleet may run), a short Freeze this
+    agent approved starts and ends between two polls: IMDS never shows it Started. The agent's
+    own StartRequests succeeded, so the event ran: it is reported completed, not canceled."""
+    reported, state = await _approve_a_short_freeze(
+        broker, tmp_path, run_seconds=1, poll_interval=4.0, fast_poll_seconds=0.0
+    )
+    assert state is EventState.COMPLETED
+    assert reported == ["scheduled", "completed"]
 
 
 async def test_after_an_approval_a_slow_poll_turns_fast_at_once_and_sees_the_event_start(
@@ -347,30 +365,10 @@ async def test_after_an_approval_a_slow_poll_turns_fast_at_once_and_sees_the_eve
     right after the fresh look it asked for, and so after the watcher planned its next poll 5 s
     away. Polling must turn fast from the POST on, not 5 s later: a Freeze of 2 s starts and
     ends within those 5 s, and its start would never be seen."""
-    private, public = write_key_pair(tmp_path / "keys")
-    key = load_signing_key(private)
-    async with (
-        simulator_server("web-7") as server,
-        recorder(broker.url, broker.channels) as rec,
-    ):
-        sim = server.simulator
-        event = sim.add_event(
-            EventSpec(
-                event_type=EventType.FREEZE,
-                resources=["web-7"],
-                not_before_seconds=900,
-                duration_in_seconds=5,
-                run_seconds=2,
-            )
-        )
-        settings = settings_for(
-            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
-        )
-        settings = replace(settings, poll_interval=5.0)  # fast polling as by default
-        async with running(settings):
-            await rec.wait_kind(MessageType.SCHEDULED, within=15)
-            approval = signed_approval(sim, event.event_id, "web-7", key)
-            await _send(broker, approval)
-            assert (await _outcome(rec, approval.approval_id)).data.applied
-            await rec.wait_kind(MessageType.COMPLETED, within=20)
-    assert [m.kind.value for m in rec.transitions()] == ["scheduled", "started", "completed"]
+    reported, _ = await _approve_a_short_freeze(
+        broker,
+        tmp_path,
+        run_seconds=2,
+        poll_interval=5.0,  # fast polling as by default
+    )
+    assert reported == ["scheduled", "started", "completed"]

@@ -16,6 +16,7 @@ import requests
 
 from publisher.simulator import (
     AvailabilitySetSpec,
+    EventInfo,
     EventSource,
     EventSpec,
     EventType,
@@ -171,15 +172,19 @@ async def test_polling_slows_down_as_soon_as_what_made_it_fast_is_over(tmp_path:
         sim = server.simulator
         sim.add_topology(Topology(availability_sets=(AvailabilitySetSpec(name="web", size=2),)))
         settings = settings_for(server, "web-0", broker, channels, tmp_path)  # the defaults
-        async with running(settings):
-            neighbours = sim.add_event(
+
+        def freeze(vm: str) -> EventInfo:
+            return sim.add_event(
                 EventSpec(
                     event_type=EventType.FREEZE,
-                    resources=("web-1",),
+                    resources=(vm,),
                     not_before_seconds=900,
                     run_seconds=60,
                 )
             )
+
+        async with running(settings):
+            neighbours = freeze("web-1")
             sim.start_event(neighbours.event_id)
             await asyncio.sleep(2)  # seen Started by web-0's agent (not reported: not its own)
             sim.reset_request_stats()
@@ -187,14 +192,7 @@ async def test_polling_slows_down_as_soon_as_what_made_it_fast_is_over(tmp_path:
             while_a_neighbour_runs = sim.request_stats("web-0").count(method="GET")
             sim.complete_event(neighbours.event_id)
 
-            own = sim.add_event(
-                EventSpec(
-                    event_type=EventType.FREEZE,
-                    resources=("web-0",),
-                    not_before_seconds=900,
-                    run_seconds=60,
-                )
-            )
+            own = freeze("web-0")
             await rec.wait_kind(MessageType.SCHEDULED, within=15)
             sim.start_event(own.event_id)
             await rec.wait_kind(MessageType.STARTED, within=15)
