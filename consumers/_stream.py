@@ -598,10 +598,15 @@ class FleetStream:
         self.stats.handled += 1
         later = self.before_ack is not None or _acks_through(delivery)
         if batch and self.ack_batch > 1 and later:
+            now = time.monotonic()
             if not self._unacked:
-                self._batch_began = time.monotonic()
+                self._batch_began = now
             self._unacked.append(delivery)
-            if len(self._unacked) >= self.ack_batch:
+            began = self._batch_began
+            # Checked here too: a backlog may keep this loop from yielding to the flusher.
+            if len(self._unacked) >= self.ack_batch or (
+                began is not None and now - began >= self.ack_max_delay
+            ):
                 await self._flush()
             return
         if await self._remember():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from typing import Any
 
@@ -288,9 +289,13 @@ async def test_a_backlog_is_committed_in_full_batches_and_a_lone_message_at_once
 
     async def handler(message: LifecycleMessage) -> None:
         handled.append(message)
-        await asyncio.sleep(0.002)  # a database round trip, say
+        await asyncio.sleep(0.001)  # a database round trip, say
 
-    stream = FleetStream(transport, "approver", prefetch=256, before_ack=before_ack)
+    # ack_max_delay (the bound on how long a batch's first message waits behind a backlog) is
+    # set long here, so that the batches' size shows whatever the machine's speed.
+    stream = FleetStream(
+        transport, "approver", prefetch=256, before_ack=before_ack, ack_max_delay=5.0
+    )
     stream.add_handler(handler)
     for index in range(640):
         await transport.publish(lifecycle_message(heartbeat(vm(f"web-{index}"))))
@@ -310,3 +315,37 @@ async def test_a_backlog_is_committed_in_full_batches_and_a_lone_message_at_once
     assert stream.ack_batch == 128
     assert len(backlog) <= 6, f"{len(backlog)} commits for a backlog of 640: {backlog}"
     assert transport.broker.depth("approver") == 0
+
+
+async def test_a_batch_waits_at_most_ack_max_delay_even_when_handling_never_yields(transport):
+    """A handler that computes without awaiting keeps the stream from yielding to its flusher
+    through a whole backlog; the batch is still committed ``ack_max_delay`` after its first
+    message (a durable approver's decision is not committed, nor its approval sent, before)."""
+    handled: list[Any] = []
+    commits: list[int] = []
+
+    async def before_ack() -> None:
+        commits.append(len(handled))
+
+    async def handler(message: LifecycleMessage) -> None:
+        handled.append(message)
+        until = time.perf_counter() + 0.002
+        while time.perf_counter() < until:  # 2 ms of CPU work, no await
+            pass
+
+    stream = FleetStream(
+        transport, "approver", prefetch=256, before_ack=before_ack, ack_max_delay=0.1
+    )
+    stream.add_handler(handler)
+    for index in range(256):
+        await transport.publish(lifecycle_message(heartbeat(vm(f"web-{index}"))))
+    task = asyncio.create_task(stream.run())
+    try:
+        async with asyncio.timeout(10):
+            while not commits or commits[-1] < 256:  # noqa: ASYNC110 - the test's own counter
+                await asyncio.sleep(0.01)
+    finally:
+        stream.stop()
+        await task
+    sizes = [b - a for a, b in zip([0, *commits], commits, strict=False)]
+    assert max(sizes) <= 60, f"batches of {sizes} messages at 2 ms each, 0.1 s at most"
