@@ -155,6 +155,21 @@ async def test_a_vm_that_could_not_reach_imds_is_sent_the_approval_again_later(t
     assert second.event_version == first.event_version
 
 
+async def _user_reboots(transport: MemoryTransport, count: int) -> list[str]:
+    """``count`` VMs (their names): each a heartbeat, then a user-initiated Reboot of its own
+    reported Scheduled, waiting in the approver's queue."""
+    now = datetime.now(UTC)
+    names = [f"web-{n}" for n in range(count)]
+    await transport.declare_group("approver")
+    for name in names:
+        ev = event(f"EVT-{name}", source="User", resources=(name,))
+        for message in now_messages(
+            heartbeat(vm(name), at=now), transition("scheduled", ev, vm(name), at=now)
+        ):
+            await transport.publish(message)
+    return names
+
+
 class _CountingSends(MemoryTransport):
     """A broker whose confirm of an approval takes a moment, counting the sends at once."""
 
@@ -179,15 +194,7 @@ async def test_a_wave_of_approvals_goes_out_without_waiting_for_each_confirm(tmp
     ledger = open_ledger(f"sqlite:///{tmp_path / 'central.db'}")
     async with _CountingSends() as counting, ledger:
         service = ApproverService(counting, generate_signing_key(), db=ledger.db)
-        now = datetime.now(UTC)
-        names = [f"web-{n}" for n in range(12)]
-        await counting.declare_group("approver")
-        for name in names:
-            ev = event(f"EVT-{name}", source="User", resources=(name,))
-            for message in now_messages(heartbeat(vm(name), at=now)):
-                await counting.publish(message)
-            for message in now_messages(transition("scheduled", ev, vm(name), at=now)):
-                await counting.publish(message)
+        names = await _user_reboots(counting, 12)
         runner = asyncio.create_task(service.run())
         approvals = [await next_approval(counting, name) for name in names]
         service.stop()
@@ -219,15 +226,7 @@ async def test_with_a_database_the_broker_confirming_approvals_slowly_does_not_s
     ledger = open_ledger(f"sqlite:///{tmp_path / 'central.db'}")
     async with _SlowConfirms() as slow, ledger:
         service = ApproverService(slow, generate_signing_key(), db=ledger.db)
-        now = datetime.now(UTC)
-        names = [f"web-{n}" for n in range(320)]
-        await slow.declare_group("approver")
-        for name in names:
-            ev = event(f"EVT-{name}", source="User", resources=(name,))
-            for message in now_messages(
-                heartbeat(vm(name), at=now), transition("scheduled", ev, vm(name), at=now)
-            ):
-                await slow.publish(message)
+        names = await _user_reboots(slow, 320)
         began = asyncio.get_running_loop().time()
         runner = asyncio.create_task(service.run())
         async with asyncio.timeout(20):

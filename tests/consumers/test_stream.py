@@ -4,9 +4,11 @@ dead-lettered with its reason, failing handlers retried then dead-lettered, shut
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -272,46 +274,67 @@ def test_the_stream_reads_every_envelope_with_the_one_decode():
     assert decode(json.dumps(reordered).encode()) == messages[0]
 
 
+class _Commits:
+    """A ``before_ack`` that records how many messages were handled at each commit."""
+
+    def __init__(self) -> None:
+        self.handled = 0
+        self.at: list[int] = []
+        self._committed = asyncio.Event()
+
+    async def before_ack(self) -> None:
+        self.at.append(self.handled)
+        self._committed.set()
+
+    async def wait_for(self, count: int, within: float) -> None:
+        """Until a commit covered ``count`` messages."""
+        async with asyncio.timeout(within):
+            while not self.at or self.at[-1] < count:
+                self._committed.clear()
+                await self._committed.wait()
+
+
+@contextlib.asynccontextmanager
+async def _reading_a_backlog(
+    transport, commits: _Commits, handler: Any, count: int, *, ack_max_delay: float
+) -> AsyncIterator[FleetStream]:
+    """A stream committing through ``commits``, running over ``count`` heartbeats waiting."""
+    stream = FleetStream(
+        transport,
+        "approver",
+        prefetch=256,
+        before_ack=commits.before_ack,
+        ack_max_delay=ack_max_delay,
+    )
+    stream.add_handler(handler)
+    for index in range(count):
+        await transport.publish(lifecycle_message(heartbeat(vm(f"web-{index}"))))
+    task = asyncio.create_task(stream.run())
+    try:
+        yield stream
+    finally:
+        stream.stop()
+        await task
+
+
 async def test_a_backlog_is_committed_in_full_batches_and_a_lone_message_at_once(transport):
     """``before_ack`` (a commit) is group commit: while messages are waiting, one commit serves a
     full batch (``ack_batch``), not whatever the last 20 ms of handling gave, which made a
     durable approver commit ten times as often as needed and fall behind a fleet's burst. When
     the stream has nothing more to read, what it handled is committed at once."""
-    handled: list[Any] = []
-    commits: list[int] = []
-    all_committed = asyncio.Event()
-    expected = [640]
-
-    async def before_ack() -> None:
-        commits.append(len(handled))
-        if len(handled) >= expected[0]:
-            all_committed.set()
+    commits = _Commits()
 
     async def handler(message: LifecycleMessage) -> None:
-        handled.append(message)
+        commits.handled += 1
         await asyncio.sleep(0.001)  # a database round trip, say
 
     # ack_max_delay (the bound on how long a batch's first message waits behind a backlog) is
     # set long here, so that the batches' size shows whatever the machine's speed.
-    stream = FleetStream(
-        transport, "approver", prefetch=256, before_ack=before_ack, ack_max_delay=5.0
-    )
-    stream.add_handler(handler)
-    for index in range(640):
-        await transport.publish(lifecycle_message(heartbeat(vm(f"web-{index}"))))
-    task = asyncio.create_task(stream.run())
-    try:
-        async with asyncio.timeout(10):
-            await all_committed.wait()
-        backlog = list(commits)
-        expected[0] = 641
-        all_committed.clear()
+    async with _reading_a_backlog(transport, commits, handler, 640, ack_max_delay=5.0) as stream:
+        await commits.wait_for(640, within=10)
+        backlog = list(commits.at)
         await transport.publish(lifecycle_message(heartbeat(vm("web-lone"))))
-        async with asyncio.timeout(1):
-            await all_committed.wait()
-    finally:
-        stream.stop()
-        await task
+        await commits.wait_for(641, within=1)
     assert stream.ack_batch == 128
     assert len(backlog) <= 6, f"{len(backlog)} commits for a backlog of 640: {backlog}"
     assert transport.broker.depth("approver") == 0
@@ -321,31 +344,15 @@ async def test_a_batch_waits_at_most_ack_max_delay_even_when_handling_never_yiel
     """A handler that computes without awaiting keeps the stream from yielding to its flusher
     through a whole backlog; the batch is still committed ``ack_max_delay`` after its first
     message (a durable approver's decision is not committed, nor its approval sent, before)."""
-    handled: list[Any] = []
-    commits: list[int] = []
-
-    async def before_ack() -> None:
-        commits.append(len(handled))
+    commits = _Commits()
 
     async def handler(message: LifecycleMessage) -> None:
-        handled.append(message)
+        commits.handled += 1
         until = time.perf_counter() + 0.002
         while time.perf_counter() < until:  # 2 ms of CPU work, no await
             pass
 
-    stream = FleetStream(
-        transport, "approver", prefetch=256, before_ack=before_ack, ack_max_delay=0.1
-    )
-    stream.add_handler(handler)
-    for index in range(256):
-        await transport.publish(lifecycle_message(heartbeat(vm(f"web-{index}"))))
-    task = asyncio.create_task(stream.run())
-    try:
-        async with asyncio.timeout(10):
-            while not commits or commits[-1] < 256:  # noqa: ASYNC110 - the test's own counter
-                await asyncio.sleep(0.01)
-    finally:
-        stream.stop()
-        await task
-    sizes = [b - a for a, b in zip([0, *commits], commits, strict=False)]
+    async with _reading_a_backlog(transport, commits, handler, 256, ack_max_delay=0.1):
+        await commits.wait_for(256, within=10)
+    sizes = [b - a for a, b in zip([0, *commits.at], commits.at, strict=False)]
     assert max(sizes) <= 60, f"batches of {sizes} messages at 2 ms each, 0.1 s at most"
