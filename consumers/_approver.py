@@ -535,8 +535,11 @@ class ApproverService:
                 try:
                     await self._settle_sends(approvals, outcomes)
                 except TransportError as exc:
-                    log.warning(
-                        "approvals not confirmed (%s): sent again with the next message", exc
+                    log.warning("approvals not confirmed (%s): sent again within a second", exc)
+                except Exception:  # a task's error would otherwise surface only when collected
+                    log.exception(
+                        "settling sent approvals failed: the state is loaded again before the "
+                        "next decision, and what is still 'sending' goes out again"
                     )
 
         task = asyncio.create_task(send(), name="approver-send")
@@ -687,6 +690,9 @@ class ApproverService:
                 if self.state is not None:
                     if not self._loaded or await self.state.stale():
                         continue
+                    if self._unsent:  # a lost link stopped them; the next message may be far
+                        async with self._lock:
+                            await self._send_unsent()
                     if not self._staged.empty:  # approvals sent since the last message
                         await self.commit()
                     holds = set(await self.state.holds())

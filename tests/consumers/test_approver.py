@@ -13,7 +13,7 @@ from consumers import Action, ApprovalSender, FleetView, NoApprovalTarget, Polic
 from consumers._approver import ApproverService
 from consumers._audit import open_ledger
 from consumers._cli import main
-from schemas import Approval, ReplyAddress, key_id, load_public_keys, verify
+from schemas import Approval, ReplyAddress, TransportError, key_id, load_public_keys, verify
 from schemas.approvals import generate_signing_key
 from schemas.messages import AgentMessage, TransitionMessage
 from schemas.transport import MemoryTransport, OutgoingMessage
@@ -243,6 +243,40 @@ async def test_with_a_database_the_broker_confirming_approvals_slowly_does_not_s
         await asyncio.wait_for(runner, 5)
     assert [a.vm for a in approvals] == names
     assert read_in < 5, f"640 messages read in {read_in:.1f} s"
+
+
+class _LinkLostOnce(MemoryTransport):
+    """A broker link that drops while the first approval is being sent, then is back."""
+
+    def __init__(self) -> None:
+        super().__init__(f"approver-{uuid.uuid4().hex}")
+        self.failed = False
+
+    async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
+        if not self.failed:
+            self.failed = True
+            raise TransportError("link lost (test)")
+        await super().send_approval(to, message)
+
+
+async def test_with_a_database_an_approval_a_lost_link_stopped_goes_out_without_another_message(
+    tmp_path,
+):
+    """The approvals of a committed batch are sent while the stream reads on; when the link
+    drops during that send, the approval is sent again by the approver's housekeeping, not only
+    when some other message happens to arrive (a quiet fleet may send none for a minute)."""
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'central.db'}")
+    async with _LinkLostOnce() as flaky, ledger:
+        service = ApproverService(flaky, generate_signing_key(), db=ledger.db)
+        [name] = await _user_reboots(flaky, 1)
+        runner = asyncio.create_task(service.run())
+        try:
+            approval = await next_approval(flaky, name)
+        finally:
+            service.stop()
+            await asyncio.wait_for(runner, 5)
+    assert flaky.failed
+    assert approval.vm == name
 
 
 async def test_the_sender_needs_a_vm_for_an_event_it_never_heard_of(transport):
