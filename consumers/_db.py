@@ -181,23 +181,24 @@ class SqliteDatabase(Database):
         return self._db
 
     async def execute(self, sql: str, *args: object) -> int:
-        import aiosqlite
-
         # One statement is a transaction of its own (the connection is in autocommit mode):
         # no BEGIN and COMMIT around it, half the trips to aiosqlite's thread (the audit makes
         # one such append per message).
-        async with self._lock:
-            try:
-                return await _SqliteTransaction(self._conn()).execute(sql, *args)
-            except aiosqlite.Error as exc:
-                raise DatabaseError(f"{self.display}: {exc}") from exc
+        async with self._statement() as one:
+            return await one.execute(sql, *args)
 
     async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        async with self._statement() as one:
+            return await one.fetch(sql, *args)
+
+    @contextlib.asynccontextmanager
+    async def _statement(self) -> AsyncIterator[_SqliteTransaction]:
+        """One statement, outside any transaction, its failure a :class:`DatabaseError`."""
         import aiosqlite
 
         async with self._lock:
             try:
-                return await _SqliteTransaction(self._conn()).fetch(sql, *args)
+                yield _SqliteTransaction(self._conn())
             except aiosqlite.Error as exc:
                 raise DatabaseError(f"{self.display}: {exc}") from exc
 

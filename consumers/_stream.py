@@ -598,15 +598,12 @@ class FleetStream:
         self.stats.handled += 1
         later = self.before_ack is not None or _acks_through(delivery)
         if batch and self.ack_batch > 1 and later:
-            now = time.monotonic()
             if not self._unacked:
-                self._batch_began = now
+                self._batch_began = time.monotonic()
             self._unacked.append(delivery)
-            began = self._batch_began
-            # Checked here too: a backlog may keep this loop from yielding to the flusher.
-            if len(self._unacked) >= self.ack_batch or (
-                began is not None and now - began >= self.ack_max_delay
-            ):
+            # Overdue is checked here too: a backlog may keep this loop from yielding to the
+            # flusher.
+            if len(self._unacked) >= self.ack_batch or self._overdue():
                 await self._flush()
             return
         if await self._remember():
@@ -662,10 +659,13 @@ class FleetStream:
         while a backlog kept the stream reading; a full batch flushes as it fills."""
         while True:
             await asyncio.sleep(self.ack_interval)
-            began = self._batch_began
-            overdue = began is not None and time.monotonic() - began >= self.ack_max_delay
-            if self._waiting or overdue:
+            if self._waiting or self._overdue():
                 await self._flush()
+
+    def _overdue(self) -> bool:
+        """Whether the first message of the batch waiting for its ack waited ``ack_max_delay``."""
+        began = self._batch_began
+        return began is not None and time.monotonic() - began >= self.ack_max_delay
 
     async def _failed(self, delivery: Delivery, message: Admitted, error: BaseException) -> None:
         attempt = delivery.delivery_count + 1
