@@ -173,17 +173,40 @@ class ApprovalHandler:
         await self._store.record_intent(
             approval.approval_id, event.event_id, event_version(event), approval.to_bytes()
         )
+        unanswered: list[ImdsError] = []
+
+        def failed(exc: ImdsError) -> None:
+            self._metrics.imds_errors.labels(exc.kind).inc()
+            if exc.unanswered:
+                unanswered.append(exc)
+
         try:
             await with_retries(
                 lambda: self._imds.start_events([approval.event_id]),
                 what=f"POST StartRequests {approval.event_id}",
                 backoff=Backoff(0.2, 2.0),
                 attempts=3,
-                on_error=lambda e: self._metrics.imds_errors.labels(e.kind).inc(),
+                on_error=failed,
             )
         except ImdsError as exc:
+            if not unanswered:
+                await self._report(
+                    approval, event, ApprovalRejected(RejectReason.IMDS_REFUSED, str(exc))
+                )
+                return
+            # A POST that went out unanswered may have been taken: the event may start. It is
+            # not reported applied (the approver tries again, and a second POST is a no-op),
+            # but it counts as started here: polled fast, and, gone unseen, ``completed``.
+            self._on_applied(approval.event_id)
             await self._report(
-                approval, event, ApprovalRejected(RejectReason.IMDS_REFUSED, str(exc))
+                approval,
+                event,
+                ApprovalRejected(
+                    RejectReason.IMDS_REFUSED,
+                    f"{exc}; IMDS may have taken an earlier POST whose answer was lost "
+                    f"({unanswered[0]}), so the event may start",
+                ),
+                maybe_started=True,
             )
             return
         self._on_applied(approval.event_id)
@@ -193,7 +216,10 @@ class ApprovalHandler:
         """Why this may not be the first time the event was approved here (``earlier``: the
         approval applied for it here before, if any), if it may not."""
         if earlier is not None:
-            return f"event {approval.event_id} was approved here already (approval {earlier})"
+            return (
+                f"event {approval.event_id} was approved here already, or its POST went out "
+                f"unanswered (approval {earlier})"
+            )
         # No margin for clock skew: a false "may be a repeat" costs a word in a report, a
         # missed one hides that the state was lost.
         if approval.issued_at < self._store_created:
@@ -317,7 +343,10 @@ class ApprovalHandler:
         remember: bool = True,
         repeat: str | None = None,
         detail: str | None = None,
+        maybe_started: bool = False,
     ) -> None:
+        """Report the outcome and remember it; ``maybe_started``: the POST may have started the
+        event although it is not reported applied (its answer was lost)."""
         if rejected is None:
             self._metrics.approvals_applied.inc()
             log.info(
@@ -360,7 +389,7 @@ class ApprovalHandler:
         await self._store.commit(
             [message],
             outcome_of=approval.approval_id if remember else None,
-            applied_event=approval.event_id if applied else None,
+            applied_event=approval.event_id if applied or maybe_started else None,
         )
         self._committed()
 

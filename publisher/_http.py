@@ -40,6 +40,10 @@ class HttpError(Exception):
     """The connection failed or the answer is not HTTP/1.x (refused, reset, malformed)."""
 
 
+class ConnectFailed(HttpError):
+    """No connection could be opened: the request never went out."""
+
+
 class BodyTooLarge(HttpError):
     """The answer's body is larger than the caller takes."""
 
@@ -106,7 +110,7 @@ class HttpClient:
                 self.host, self.port, ssl=self._ssl if self.tls else None, limit=_HEAD_LIMIT
             )
         except OSError as exc:
-            raise HttpError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         return _Connection(reader, writer)
 
     def _take(self) -> _Connection | None:

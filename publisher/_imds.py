@@ -37,7 +37,7 @@ from schemas import (
 from schemas._backoff import Backoff
 from schemas.messages import loads
 
-from ._http import BodyTooLarge, HttpClient, HttpError
+from ._http import BodyTooLarge, ConnectFailed, HttpClient, HttpError
 from ._poller import RequestLimiter
 
 __all__ = ["RETRYABLE_KINDS", "ImdsClient", "with_retries"]
@@ -148,11 +148,19 @@ class ImdsClient:
                     max_body=self.max_body,
                 )
         except TimeoutError as exc:
-            raise ImdsError(f"{what} took more than {deadline:g} s", kind="timeout") from exc
+            # The deadline may also pass while connecting, before anything went out: counted as
+            # unanswered all the same, the side that never calls a started event canceled.
+            raise ImdsError(
+                f"{what} took more than {deadline:g} s", kind="timeout", unanswered=True
+            ) from exc
         except BodyTooLarge as exc:
             raise ImdsError(f"{what} {exc}: refused", status=exc.status, kind="too-large") from exc
         except HttpError as exc:
-            raise ImdsError(f"{what} failed: {exc}", kind="connection") from exc
+            raise ImdsError(
+                f"{what} failed: {exc}",
+                kind="connection",
+                unanswered=not isinstance(exc, ConnectFailed),
+            ) from exc
         status, content = response.status, response.body
         if status == 429:
             self.limiter.throttled()

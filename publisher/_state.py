@@ -269,8 +269,9 @@ class StateStore:
         """In one transaction: store ``document`` with its event ``revisions`` (and ``scope``)
         when given; give each message the next sequence number and put it in the outbox;
         ``outcome_of``: the first message is that approval's outcome (its intent is settled);
-        ``applied_event``: that event was approved here; ``hooks``: (index of a message in
-        ``messages``, hook) runs to queue for it; ``hook_done``: that hook run has reported."""
+        ``applied_event``: that event was approved here (or its POST went out unanswered);
+        ``hooks``: (index of a message in ``messages``, hook) runs to queue for it;
+        ``hook_done``: that hook run has reported."""
         result: Committed = await self._run(
             _commit,
             list(messages),
@@ -346,7 +347,8 @@ class StateStore:
         return found
 
     async def applied_among(self, event_ids: Sequence[str]) -> set[str]:
-        """Those of ``event_ids`` this store applied an approval for (its POST succeeded)."""
+        """Those of ``event_ids`` this store applied an approval for: its POST succeeded, or
+        went out unanswered (IMDS may have taken it)."""
         found: set[str] = await self._run(_applied_among, list(event_ids))
         return found
 

@@ -76,10 +76,21 @@ class MessageRefused(PublishNotConfirmed):
 class ImdsError(RelayError):
     """IMDS answered with an error, with garbage, or not at all. Never an empty event list."""
 
-    def __init__(self, message: str, *, status: int | None = None, kind: str = "error") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        kind: str = "error",
+        unanswered: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        #: The request went out and no answer came back (a timeout, a connection lost after
+        #: sending): IMDS may have acted on it. A POST StartRequests so failed may have started
+        #: the event.
+        self.unanswered = unanswered
 
 
 class ImdsThrottled(ImdsError):

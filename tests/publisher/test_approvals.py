@@ -8,7 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from publisher.simulator import EventSpec, EventState, EventType
+from publisher.simulator import EventSpec, EventState, EventType, FaultSpec
 from schemas import (
     Approval,
     ApprovalOutcomeMessage,
@@ -307,10 +307,13 @@ async def _approve_a_short_freeze(
     run_seconds: float,
     poll_interval: float,
     fast_poll_seconds: float | None = None,
-) -> tuple[list[str], EventState]:
+    post_fault: FaultSpec | None = None,
+    imds_timeout: float | None = None,
+) -> tuple[list[str], EventState, ApprovalOutcomeMessage]:
     """A Freeze of ``run_seconds`` on web-7, approved once the agent (polling every
-    ``poll_interval``, fast polling as by default unless ``fast_poll_seconds``) reported it:
-    the transitions reported, and the event's state in the simulator."""
+    ``poll_interval``, fast polling as by default unless ``fast_poll_seconds``) reported it,
+    with ``post_fault`` injected on its POSTs: the transitions reported, the event's state in
+    the simulator and the agent's outcome of the approval."""
     private, public = write_key_pair(tmp_path / "keys")
     key = load_signing_key(private)
     async with (
@@ -333,16 +336,21 @@ async def _approve_a_short_freeze(
         settings = replace(settings, poll_interval=poll_interval)
         if fast_poll_seconds is not None:
             settings = replace(settings, fast_poll_seconds=fast_poll_seconds)
+        if imds_timeout is not None:
+            settings = replace(settings, imds_timeout=imds_timeout)
         async with running(settings):
             await rec.wait_kind(MessageType.SCHEDULED, within=15)
+            if post_fault is not None:
+                sim.add_fault(post_fault)
             approval = signed_approval(sim, event.event_id, "web-7", key)
             await _send(broker, approval)
-            assert (await _outcome(rec, approval.approval_id)).data.applied
+            outcome = await _outcome(rec, approval.approval_id)
             await rec.wait_for(
                 lambda ms: any(m.kind in (MessageType.COMPLETED, MessageType.CANCELED) for m in ms),
                 within=20,
             )
-        return [m.kind.value for m in rec.transitions()], sim.get_event(event.event_id).state
+        reported = [m.kind.value for m in rec.transitions()]
+        return reported, sim.get_event(event.event_id).state, outcome
 
 
 async def test_an_event_it_started_that_ran_between_two_polls_is_reported_completed(
@@ -351,11 +359,37 @@ async def test_an_event_it_started_that_ran_between_two_polls_is_reported_comple
     """With a slow poll and no fast polling (as a 10,000-VM fleet may run), a short Freeze this
     agent approved starts and ends between two polls: IMDS never shows it Started. The agent's
     own StartRequests succeeded, so the event ran: it is reported completed, not canceled."""
-    reported, state = await _approve_a_short_freeze(
+    reported, state, outcome = await _approve_a_short_freeze(
         broker, tmp_path, run_seconds=1, poll_interval=4.0, fast_poll_seconds=0.0
+    )
+    assert outcome.data.applied
+    assert state is EventState.COMPLETED
+    assert reported == ["scheduled", "completed"]
+
+
+async def test_an_event_whose_post_went_unanswered_is_reported_completed_when_it_vanishes(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """IMDS takes the POST but its answer never comes back in time (a loaded host): every
+    attempt times out, so the agent cannot say the approval was applied, and reports it was
+    not. The event it may have started then runs and ends between two polls: it is reported
+    ``completed``, as for a POST that succeeded, never ``canceled`` (Azure did not cancel it),
+    and the outcome says IMDS may have taken the request."""
+    reported, state, outcome = await _approve_a_short_freeze(
+        broker,
+        tmp_path,
+        run_seconds=1,
+        poll_interval=4.0,
+        fast_poll_seconds=0.0,
+        # each POST is taken 1.5 s late, after the agent's 0.5 s timeout
+        post_fault=FaultSpec(vm="web-7", method="POST", delay_seconds=1.5, times=10),
+        imds_timeout=0.5,
     )
     assert state is EventState.COMPLETED
     assert reported == ["scheduled", "completed"]
+    assert not outcome.data.applied
+    assert outcome.data.detail is not None
+    assert "may have" in outcome.data.detail
 
 
 async def test_after_an_approval_a_slow_poll_turns_fast_at_once_and_sees_the_event_start(
@@ -365,10 +399,11 @@ async def test_after_an_approval_a_slow_poll_turns_fast_at_once_and_sees_the_eve
     right after the fresh look it asked for, and so after the watcher planned its next poll 5 s
     away. Polling must turn fast from the POST on, not 5 s later: a Freeze of 2 s starts and
     ends within those 5 s, and its start would never be seen."""
-    reported, _ = await _approve_a_short_freeze(
+    reported, _, outcome = await _approve_a_short_freeze(
         broker,
         tmp_path,
         run_seconds=2,
         poll_interval=5.0,  # fast polling as by default
     )
+    assert outcome.data.applied
     assert reported == ["scheduled", "started", "completed"]

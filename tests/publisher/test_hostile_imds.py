@@ -225,3 +225,60 @@ async def test_one_malformed_not_before_does_not_hide_the_other_events(tmp_path:
     assert carried is not None
     assert carried.not_before_text == "soon"
     assert not carried.not_before_valid
+
+
+async def test_an_imds_error_says_whether_the_request_may_have_been_taken() -> None:
+    """A POST StartRequests that went out and got no answer may have started the event; one
+    that never went out, or that IMDS answered with an error, did not. Raw sockets on loopback
+    stand in for the three ways IMDS can fail a request."""
+    from publisher._imds import ImdsClient
+    from schemas import ImdsError
+
+    async def close_after_reading(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    done = asyncio.Event()
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        await reader.readuntil(b"\r\n\r\n")
+        await done.wait()
+        writer.close()
+
+    async def answer_503(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def failure(handler: object | None) -> ImdsError:
+        done.clear()
+        if handler is None:  # a port nothing listens on
+            probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+            port = probe.sockets[0].getsockname()[1]
+            probe.close()
+            await probe.wait_closed()
+            server = None
+        else:
+            server = await asyncio.start_server(handler, "127.0.0.1", 0)  # type: ignore[arg-type]
+            port = server.sockets[0].getsockname()[1]
+        client = ImdsClient(f"http://127.0.0.1:{port}", timeout=0.5, first_timeout=0.5)
+        try:
+            with pytest.raises(ImdsError) as caught:
+                await client.start_events(["E1"])
+            return caught.value
+        finally:
+            await client.aclose()
+            done.set()
+            if server is not None:
+                server.close()
+                await server.wait_closed()
+
+    refused = await failure(None)
+    assert (refused.kind, refused.unanswered) == ("connection", False)
+    dropped = await failure(close_after_reading)
+    assert (dropped.kind, dropped.unanswered) == ("connection", True)
+    timed_out = await failure(never_answer)
+    assert (timed_out.kind, timed_out.unanswered) == ("timeout", True)
+    answered = await failure(answer_503)
+    assert answered.unanswered is False
