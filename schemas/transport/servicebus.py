@@ -214,6 +214,13 @@ def _entity_error(exc: ServiceBusError, entity: str) -> ConfigError | TransportE
     return TransportError(f"Service Bus failed on {entity!r}: {exc}")
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Take a background task's failure: whoever waited for it was told (a task whose waiter
+    was cancelled would otherwise log "exception was never retrieved")."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
@@ -343,6 +350,12 @@ class _Sender:
     sends on an async sender fail: Azure/azure-sdk-for-python#36334), so its sends take turns.
     The idle timer starts when no send is running or waiting; a send cancels it. A sender whose
     send failed is closed and not used again (it may hold a dead link).
+
+    An opening goes on when the send that began it is cancelled (a caller's own deadline, such as
+    the outbox's publish timeout), bounded by ``connect_timeout``, and the next send waits for
+    it. When the namespace is slow to open links (thousands of agents connecting at once), a
+    deadline shorter than an opening would otherwise throw away every opening half done and
+    begin the next one from nothing: no send would ever get through.
     """
 
     def __init__(
@@ -355,6 +368,7 @@ class _Sender:
         self._lock = asyncio.Lock()
         self._users = 0
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._opening: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
 
     async def check(self) -> None:
@@ -374,28 +388,50 @@ class _Sender:
         self._users += 1
         try:
             async with self._lock:
+                if self._current is None:
+                    sender = self._current = self._make()
+                    opening = self._opening = asyncio.ensure_future(self._open(sender))
+                    opening.add_done_callback(_retrieved)
+                if self._opening is not None:
+                    # Shielded: a cancelled caller leaves it opening for the next send.
+                    await asyncio.shield(self._opening)
                 sender = self._current
-                try:
-                    if sender is None:
-                        sender = self._current = self._make()
-                        await self._bounded(
-                            sender.__aenter__(), self._settings.connect_timeout, "opening"
-                        )
-                    if message is not None:
+                if sender is None:  # closed meanwhile (the transport is closing)
+                    raise TransportError(f"the sender to {self.entity} was closed")
+                if message is not None:
+                    try:
                         await self._bounded(
                             sender.send_messages(message), self._settings.send_timeout, "sending"
                         )
-                except BaseException:
-                    self._discard()
-                    raise
+                    except BaseException:
+                        self._discard()
+                        raise
         finally:
             self._users -= 1
-            idle = self._settings.sender_idle_timeout
-            if not self._users and self._current is not None:
-                if idle > 0:
-                    self._idle_timer = asyncio.get_running_loop().call_later(idle, self._discard)
-                else:
-                    self._discard()
+            self._idle_soon()
+
+    async def _open(self, sender: ServiceBusSender) -> None:
+        try:
+            await self._bounded(sender.__aenter__(), self._settings.connect_timeout, "opening")
+        except BaseException:
+            if self._current is sender:
+                self._discard()
+            raise
+        finally:
+            self._opening = None
+        self._idle_soon()  # its send may be gone (cancelled): then the idle timer starts now
+
+    def _idle_soon(self) -> None:
+        """With no send running or waiting, close the open sender after the idle timeout."""
+        if self._users or self._current is None or self._opening is not None:
+            return
+        if self._idle_timer is not None:
+            return
+        idle = self._settings.sender_idle_timeout
+        if idle > 0:
+            self._idle_timer = asyncio.get_running_loop().call_later(idle, self._discard)
+        else:
+            self._discard()
 
     async def _bounded(self, operation: Awaitable[object], seconds: float, what: str) -> None:
         try:
@@ -423,7 +459,11 @@ class _Sender:
             log.debug("closing the sender to %s failed: %s", self.entity, exc)
 
     async def close(self) -> None:
-        """Close it now, even under a running send (which then fails)."""
+        """Close it now, even under a running send or opening (which then fail)."""
+        opening = self._opening
+        if opening is not None:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
         self._discard()
         await asyncio.gather(*self._closing, return_exceptions=True)
 

@@ -217,20 +217,25 @@ async def test_a_stalled_link_fails_the_publish_in_time_and_the_next_one_reconne
     _close_what_the_sdk_left_open()
 
 
-class _SilentOnce:
-    """Forwards to the double, except that its ``nth`` connection is accepted and never answered
-    (a link that went silent), so only a bounded open gets past it."""
+class _Gate:
+    """Forwards to the double, except that its ``silent``-th connection is accepted and never
+    answered (a link that went silent: only a bounded open gets past it), and that every other
+    one is forwarded only ``delay`` seconds after it was accepted (a namespace slow to open
+    links)."""
 
-    def __init__(self, host: str, port: int, *, nth: int) -> None:
+    def __init__(
+        self, host: str, port: int, *, silent: int | None = None, delay: float = 0.0
+    ) -> None:
         self._target = (host, port)
-        self._nth = nth
-        self._accepted = 0
+        self._nth = silent
+        self._delay = delay
+        self.accepted = 0
         self._server: asyncio.Server | None = None
         self._silent: list[asyncio.StreamWriter] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
 
-    async def __aenter__(self) -> _SilentOnce:
+    async def __aenter__(self) -> _Gate:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -245,10 +250,13 @@ class _SilentOnce:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._accepted += 1
-        if self._accepted == self._nth:
+        self.accepted += 1
+        if self.accepted == self._nth:
             self._silent.append(writer)
             return
+        self._silent.append(writer)  # aborted at the end, if the delay is not over
+        await asyncio.sleep(self._delay)
+        self._silent.remove(writer)
         up_reader, up_writer = await asyncio.open_connection(*self._target)
 
         async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
@@ -273,7 +281,7 @@ async def test_an_approvals_receiver_that_stalls_while_opening_is_opened_again(
     must not keep the approval from it."""
     async with (
         ServiceBusTransport(double.connection_string, channels) as approver,
-        _SilentOnce(double.host, double.port, nth=2) as proxy,  # 1: the start-up check
+        _Gate(double.host, double.port, silent=2) as proxy,  # 1: the start-up check
     ):
         address = (
             f"Endpoint=sb://127.0.0.1:{proxy.port};SharedAccessKeyName=k;SharedAccessKey=s;"
@@ -289,3 +297,37 @@ async def test_an_approvals_receiver_that_stalls_while_opening_is_opened_again(
             await got.ack()
     _close_what_the_sdk_left_open()
     assert got.message_id == sent.message_id
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_sender_slower_to_open_than_the_callers_deadline_still_opens_and_sends(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """Thousands of agents connecting at once make each opening slow. The outbox gives a publish
+    10 s; an opening that takes longer was cancelled with it, and the next publish began a new
+    one from nothing, so none ever got through (1,000 agents over the double: no message in 4
+    minutes). The opening now goes on, bounded by ``connect_timeout``, and the next publish
+    uses it."""
+    async with _Gate(double.host, double.port, delay=2.0) as proxy:
+        address = (
+            f"Endpoint=sb://127.0.0.1:{proxy.port};SharedAccessKeyName=k;SharedAccessKey=s;"
+            "UseDevelopmentEmulator=true;connect_timeout=10;sender_idle_timeout=60"
+        )
+        transport = ServiceBusTransport(address, channels)
+        attempts = 0
+        async with asyncio.timeout(20):
+            while True:  # as the outbox does: each attempt under a deadline of its own
+                attempts += 1
+                try:
+                    await asyncio.wait_for(transport.connect(), 1.0)
+                    await asyncio.wait_for(transport.publish(outgoing("through")), 1.0)
+                    break
+                except TimeoutError:
+                    await asyncio.sleep(0.1)
+        await transport.close()
+        opened = proxy.accepted
+    _close_what_the_sdk_left_open()
+    assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 1
+    assert attempts <= 4, attempts
+    assert opened == 1  # one opening, carried over from attempt to attempt
+
