@@ -526,6 +526,8 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
 def worker(role: str) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     spec = json.loads(sys.stdin.readline())
+    if spec.get("nice"):
+        os.nice(spec["nice"])
     if role == "agents":
         asyncio.run(run_agents(spec))  # profiled from the moment its agents are ready
         return 0

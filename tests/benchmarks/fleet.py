@@ -99,6 +99,8 @@ class Plan:
     rate_limit: int = 5
     seed: int = 7
     servicebus: bool = False
+    #: Niceness of the agent processes (the stand-ins for the fleet's VMs); 0: none.
+    agents_nice: int = 0
 
     @property
     def shards(self) -> int:
@@ -156,6 +158,7 @@ class Result:
     imds_errors: dict[str, int] = field(default_factory=dict)
     busiest_vm_per_second: int = 0
     cpu_percent: dict[str, float] = field(default_factory=dict)
+    runqueue_percent: dict[str, float] = field(default_factory=dict)
     dead_lettered: int = 0
     samples: dict[str, list[float]] = field(default_factory=dict)
 
@@ -318,6 +321,9 @@ async def measure(plan: Plan) -> Result:
                     plan, result, procs, channels, topology, names, local, scratch, key, public
                 )
             finally:
+                # Agents still running (one that did not stop in time) would declare their
+                # queues again as they are deleted: every process is gone first.
+                await asyncio.gather(*(p.close() for p in procs), return_exceptions=True)
                 await _delete_entities(coordinator, names)
     return result
 
@@ -391,7 +397,8 @@ async def _run(
             {"broker": plan.broker, "channels": spec_channels, "vms": vms,
              "agents_per_connection": plan.agents_per_connection,
              "poll_interval": plan.poll_interval, "fast_poll_seconds": plan.fast_poll_seconds,
-             "trust_key": str(public), "start_at": start_at, "ramp": plan.ramp_seconds}
+             "trust_key": str(public), "start_at": start_at, "ramp": plan.ramp_seconds,
+             "nice": plan.agents_nice}
         )  # fmt: skip
     print(f"{plan.vms} agents in {plan.workers} process(es), starting over "
           f"{plan.ramp_seconds:.0f} s ...", flush=True)  # fmt: skip
@@ -444,7 +451,7 @@ async def _run(
         if completed >= len(approvable) and min(seen) >= expected:
             break
     result.finished_in = round(time.time() - burst_at, 1)
-    result.cpu_percent = cpu.stop()
+    result.cpu_percent, result.runqueue_percent = cpu.stop()
 
     # ---- reports
     agent_reports = [await proc.ask({"op": "stop"}, timeout=120) for proc in agents]
@@ -461,7 +468,10 @@ def _rabbitmq_pid() -> int | None:
 
 
 class _CpuMeter:
-    """CPU share of each process (percent of one core) from now to :meth:`stop`."""
+    """Each process's CPU and its threads' time waiting for a CPU while runnable (the kernel's
+    run-queue wait, ``/proc/PID/task/*/schedstat``), in percent of one core, from now to
+    :meth:`stop`. A process that is slow with little CPU and a large wait is starved by the
+    other processes on the machine, not waiting on I/O."""
 
     def __init__(self, pids: dict[str, int | None]) -> None:
         self.processes = {
@@ -469,6 +479,7 @@ class _CpuMeter:
         }
         self.began = time.monotonic()
         self.start = {name: self._cpu(p) for name, p in self.processes.items()}
+        self.start_wait = {name: self._waited(p.pid) for name, p in self.processes.items()}
 
     @staticmethod
     def _cpu(process: psutil.Process) -> float:
@@ -478,12 +489,25 @@ class _CpuMeter:
             return 0.0
         return float(times.user + times.system)
 
-    def stop(self) -> dict[str, float]:
+    @staticmethod
+    def _waited(pid: int) -> float:
+        total = 0
+        for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(stat.read_text().split()[1])
+        return total / 1e9
+
+    def stop(self) -> tuple[dict[str, float], dict[str, float]]:
         wall = time.monotonic() - self.began
-        return {
+        cpu = {
             name: round(100 * (self._cpu(p) - self.start[name]) / wall, 1)
             for name, p in self.processes.items()
         }
+        waited = {
+            name: round(100 * (self._waited(p.pid) - self.start_wait[name]) / wall, 1)
+            for name, p in self.processes.items()
+        }
+        return cpu, waited
 
 
 def _account(
@@ -575,7 +599,8 @@ def table(result: Result) -> str:
     lines = [
         f"{plan.vms} VMs ({plan.workers} agent process(es), {plan.shards} simulator shard(s), "
         f"placement groups of {plan.placement_group_size}), poll every {plan.poll_interval:g} s"
-        f"{'' if plan.fast_poll_seconds else ' (fast polling off)'}, approver state "
+        f"{'' if plan.fast_poll_seconds else ' (fast polling off)'}"
+        f"{f', agents at nice {plan.agents_nice}' if plan.agents_nice else ''}, approver state "
         f"{plan.approver_db}, "
         + ("the Service Bus double" if plan.servicebus else f"broker {plan.broker.split('@')[-1]}"),
         f"{result.events} events ({result.approvable} approvable), {result.completed} completed"
@@ -603,6 +628,8 @@ def table(result: Result) -> str:
         " in one second",
         "CPU (% of one core) from the burst to the end: "
         + ", ".join(f"{k} {v}" for k, v in result.cpu_percent.items()),
+        "waiting for a CPU while runnable (% of one core, all threads), same span: "
+        + ", ".join(f"{k} {v}" for k, v in result.runqueue_percent.items()),
     ]
     return "\n".join(lines)
 
@@ -656,6 +683,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=defaults.timeout)
     parser.add_argument("--approver-db", choices=["sqlite", "memory"], default="sqlite")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--agents-nice",
+        type=int,
+        default=defaults.agents_nice,
+        help="run the agent processes (the stand-ins for the fleet's VMs) at this niceness, so "
+        "that the broker, the central services and the simulator (IMDS, a service of the host "
+        "on Azure) get the CPU they need before them, as on a real fleet, where each agent has "
+        "its VM's CPU to itself (default 0: every process shares the machine's cores alike)",
+    )
     parser.add_argument("--png", help="draw the latency distributions to this PNG")
     parser.add_argument(
         "--servicebus", action="store_true", help="over the Service Bus double, not RabbitMQ"
@@ -678,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         approver_db=args.approver_db,
         seed=args.seed,
         servicebus=args.servicebus,
+        agents_nice=args.agents_nice,
     )
     began = time.monotonic()
     result = asyncio.run(measure(plan))

@@ -330,4 +330,3 @@ async def test_a_sender_slower_to_open_than_the_callers_deadline_still_opens_and
     assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 1
     assert attempts <= 4, attempts
     assert opened == 1  # one opening, carried over from attempt to attempt
-
