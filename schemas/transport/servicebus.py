@@ -390,11 +390,20 @@ class _Sender:
             async with self._lock:
                 if self._current is None:
                     sender = self._current = self._make()
-                    opening = self._opening = asyncio.ensure_future(self._open(sender))
-                    opening.add_done_callback(_retrieved)
-                if self._opening is not None:
+                    self._opening = asyncio.ensure_future(self._open(sender))
+                    self._opening.add_done_callback(_retrieved)
+                if (opening := self._opening) is not None:
                     # Shielded: a cancelled caller leaves it opening for the next send.
-                    await asyncio.shield(self._opening)
+                    try:
+                        await asyncio.shield(opening)
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if opening.cancelled() and task is not None and not task.cancelling():
+                            # close() stopped the opening, not this send's caller
+                            raise TransportError(
+                                f"the sender to {self.entity} was closed while opening"
+                            ) from None
+                        raise
                 sender = self._current
                 if sender is None:  # closed meanwhile (the transport is closing)
                     raise TransportError(f"the sender to {self.entity} was closed")

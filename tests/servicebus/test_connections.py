@@ -4,6 +4,7 @@ around its sends, a session receiver only while the approvals subscription is op
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import uuid
 import weakref
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from schemas import ChannelNames, ConfigError, PublishNotConfirmed
+from schemas import ChannelNames, ConfigError, PublishNotConfirmed, TransportError
 from schemas.transport.servicebus import (
     ServiceBusSettings,
     ServiceBusTransport,
@@ -330,3 +331,25 @@ async def test_a_sender_slower_to_open_than_the_callers_deadline_still_opens_and
     assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 1
     assert attempts <= 4, attempts
     assert opened == 1  # one opening, carried over from attempt to attempt
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_closing_the_transport_while_a_sender_opens_fails_the_waiting_publish(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """The publish waiting for that opening gets a transport error (the outbox keeps the
+    message and tries again), not a cancellation it never asked for."""
+    async with _Gate(double.host, double.port, delay=3.0) as proxy:
+        address = (
+            f"Endpoint=sb://127.0.0.1:{proxy.port};SharedAccessKeyName=k;SharedAccessKey=s;"
+            "UseDevelopmentEmulator=true;connect_timeout=10"
+        )
+        transport = ServiceBusTransport(address, channels)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(transport.connect(), 0.5)  # leaves the opening going on
+        publish = asyncio.ensure_future(transport.publish(outgoing("never")))
+        await asyncio.sleep(0.5)
+        await transport.close()
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(publish, 5)
+    _close_what_the_sdk_left_open()
