@@ -45,7 +45,10 @@ sees them:
                                   heartbeat; a central service that sends all the time may
                                   set minutes
 ``connect_timeout``        15 s   opening a sender or a receiver: connection,
-                                  authentication and link
+                                  authentication and link. A sender's opening that
+                                  timed out gives the next one twice as long (up to
+                                  ``MAX_OPEN_TIMEOUT``); one that opened, twice what it
+                                  took
 ``send_timeout``           10 s   the broker taking one message on an open sender
 =========================  =====  ==========================================================
 
@@ -70,6 +73,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -116,6 +120,8 @@ SESSION_RENEWAL_SECONDS = 24 * 3600.0
 MESSAGE_RENEWAL_SECONDS = 300.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 15.0
 CLOSE_TIMEOUT = 10.0
+#: The longest a sender's opening is given after openings timed out (see ``connect_timeout``).
+MAX_OPEN_TIMEOUT = 120.0
 #: How often a standby receiver asks for a session another receiver holds.
 STANDBY_SECONDS = 1.0
 #: The session id of every lifecycle message (see :meth:`ServiceBusTransport.publish`).
@@ -340,6 +346,25 @@ def _outgoing(message: OutgoingMessage, *, session_id: str) -> ServiceBusMessage
 # ---- sending -----------------------------------------------------------------------------------
 
 
+class _OpenDeadline:
+    """How long a sender's opening is given: ``connect_timeout``, twice as long after each one
+    that timed out (up to :data:`MAX_OPEN_TIMEOUT`), and once one opens, twice what it took
+    (never less than ``connect_timeout``): a namespace that is slow now stays slow for a while.
+    One per transport, shared by its senders and kept when a failed start-up check closes
+    them."""
+
+    def __init__(self, base: float) -> None:
+        self.base = base
+        self.seconds = base
+
+    def timed_out(self) -> float:
+        self.seconds = min(2 * self.seconds, max(MAX_OPEN_TIMEOUT, self.base))
+        return self.seconds
+
+    def opened(self, took: float) -> None:
+        self.seconds = max(self.base, min(2 * took, MAX_OPEN_TIMEOUT))
+
+
 class _Sender:
     """One entity's sender: opened by a send, closed ``sender_idle_timeout`` seconds after the
     last one.
@@ -353,13 +378,19 @@ class _Sender:
 
     An opening goes on when the send that began it is cancelled (a caller's own deadline, such as
     the outbox's publish timeout), bounded by ``connect_timeout``, and the next send waits for
-    it. When the namespace is slow to open links (thousands of agents connecting at once), a
-    deadline shorter than an opening would otherwise throw away every opening half done and
-    begin the next one from nothing: no send would ever get through.
+    it. An opening that timed out gives the next one twice as long (:class:`_OpenDeadline`).
+    When the namespace is
+    slow to open links (thousands of agents connecting at once), any fixed deadline shorter
+    than an opening would otherwise throw away every opening half done and begin the next one
+    from nothing: no send would ever get through.
     """
 
     def __init__(
-        self, make: Callable[[], ServiceBusSender], entity: str, settings: ServiceBusSettings
+        self,
+        make: Callable[[], ServiceBusSender],
+        entity: str,
+        settings: ServiceBusSettings,
+        deadline: _OpenDeadline,
     ) -> None:
         self._make = make
         self.entity = entity
@@ -369,6 +400,7 @@ class _Sender:
         self._users = 0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._opening: asyncio.Task[None] | None = None
+        self._deadline = deadline
         self._closing: set[asyncio.Task[None]] = set()
 
     async def check(self) -> None:
@@ -420,14 +452,24 @@ class _Sender:
             self._idle_soon()
 
     async def _open(self, sender: ServiceBusSender) -> None:
+        timeout = self._deadline.seconds
+        began = time.monotonic()
         try:
-            await self._bounded(sender.__aenter__(), self._settings.connect_timeout, "opening")
-        except BaseException:
+            await self._bounded(sender.__aenter__(), timeout, "opening")
+        except BaseException as exc:
             if self._current is sender:
                 self._discard()
+            if isinstance(exc, TimeoutError):
+                log.info(
+                    "opening a sender to %s took more than %g s: the next opening is given %g s",
+                    self.entity,
+                    timeout,
+                    self._deadline.timed_out(),
+                )
             raise
         finally:
             self._opening = None
+        self._deadline.opened(time.monotonic() - began)
         self._idle_soon()  # its send may be gone (cancelled): then the idle timer starts now
 
     def _idle_soon(self) -> None:
@@ -668,6 +710,7 @@ class ServiceBusTransport(AsyncResource):
         self._client: ServiceBusClient | None = None
         self._credential: Any = None
         self._senders: dict[str, _Sender] = {}
+        self._open_deadline = _OpenDeadline(self.settings.connect_timeout)
         self._subscriptions: set[_ServiceBusSubscription] = set()
         self._message_renewer: AutoLockRenewer | None = None
         self._session_renewer: AutoLockRenewer | None = None
@@ -745,7 +788,7 @@ class ServiceBusTransport(AsyncResource):
                 if entity == self.channels.events_topic
                 else (lambda: client.get_queue_sender(entity))
             )
-            sender = _Sender(make, entity, self.settings)
+            sender = _Sender(make, entity, self.settings, self._open_deadline)
             self._senders[entity] = sender
         return sender
 

@@ -353,3 +353,33 @@ async def test_closing_the_transport_while_a_sender_opens_fails_the_waiting_publ
         with pytest.raises(TransportError):
             await asyncio.wait_for(publish, 5)
     _close_what_the_sdk_left_open()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_openings_slower_than_connect_timeout_are_given_longer_until_one_opens(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """Every opening takes 2.5 s (a namespace under a storm of connections) and
+    ``connect_timeout`` is 1 s: a fixed deadline would fail every opening for ever. Each one
+    that timed out gives the next twice as long, so the start-up check's third (4 s) opens; it
+    took about 2.6 s, so the publish's opening (the check lets its connection go) is given
+    twice that, and opens at once."""
+    async with _Gate(double.host, double.port, delay=2.5) as proxy:
+        address = (
+            f"Endpoint=sb://127.0.0.1:{proxy.port};SharedAccessKeyName=k;SharedAccessKey=s;"
+            "UseDevelopmentEmulator=true;connect_timeout=1;sender_idle_timeout=60"
+        )
+        transport = ServiceBusTransport(address, channels)
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    await transport.connect()
+                    await transport.publish(outgoing("through"))
+                    break
+                except TransportError:
+                    await asyncio.sleep(0.1)
+        await transport.close()
+        opened = proxy.accepted
+    _close_what_the_sdk_left_open()
+    assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 1
+    assert opened == 4  # the check's 1 s, 2 s and 4 s, then the publish's
