@@ -309,7 +309,17 @@ async def measure(plan: Plan) -> Result:
                 plan = replace(plan, broker=double.connection_string, agents_per_connection=0)
                 result.plan = plan
                 await _run(
-                    plan, result, procs, channels, topology, names, local, scratch, key, public
+                    plan,
+                    result,
+                    procs,
+                    channels,
+                    topology,
+                    names,
+                    local,
+                    scratch,
+                    key,
+                    public,
+                    broker=("Service Bus double", double.pid),
                 )
             return result
         coordinator = open_transport(plan.broker, channels, name="fleet coordinator")
@@ -318,7 +328,17 @@ async def measure(plan: Plan) -> Result:
             await coordinator.declare_group("audit")
             try:
                 await _run(
-                    plan, result, procs, channels, topology, names, local, scratch, key, public
+                    plan,
+                    result,
+                    procs,
+                    channels,
+                    topology,
+                    names,
+                    local,
+                    scratch,
+                    key,
+                    public,
+                    broker=("RabbitMQ", _rabbitmq_pid()),
                 )
             finally:
                 # Agents still running (one that did not stop in time) would declare their
@@ -363,6 +383,8 @@ async def _run(
     scratch: str,
     key: Path,
     public: Path,
+    *,
+    broker: tuple[str, int | None],
 ) -> None:
     spec_channels = asdict(channels)
     shards = [_Process("sim", f"simulator {k}") for k in range(plan.shards)]
@@ -430,7 +452,7 @@ async def _run(
     for event_id, event in events.items():
         by_shard.setdefault(local.shard_of(event["vm"]), []).append({"id": event_id, **event})
     pids: dict[str, int | None] = {p.name: p.pid for p in procs}
-    cpu = _CpuMeter(pids | ({} if plan.servicebus else {"RabbitMQ": _rabbitmq_pid()}))
+    cpu = _CpuMeter(pids | dict([broker]))
     for k, shard in enumerate(shards):
         await shard.send({"op": "events", "at": burst_at, "events": by_shard.get(k, [])})
     for shard in shards:

@@ -207,6 +207,10 @@ class DoubleProcess:
         self.connection_string = await self._line()
         return self
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
     async def _line(self) -> str:
         assert self._process is not None
         assert self._process.stdout is not None
