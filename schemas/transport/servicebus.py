@@ -45,8 +45,8 @@ sees them:
                                   heartbeat; a central service that sends all the time may
                                   set minutes
 ``connect_timeout``        15 s   opening a sender or a receiver: connection,
-                                  authentication and link. A sender's opening that
-                                  timed out gives the next one twice as long (up to
+                                  authentication and link. An opening that timed
+                                  out gives the next one twice as long (up to
                                   ``MAX_OPEN_TIMEOUT``); one that opened, twice what it
                                   took
 ``send_timeout``           10 s   the broker taking one message on an open sender
@@ -123,7 +123,7 @@ SESSION_RENEWAL_SECONDS = 24 * 3600.0
 MESSAGE_RENEWAL_SECONDS = 300.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 15.0
 CLOSE_TIMEOUT = 10.0
-#: The longest a sender's opening is given after openings timed out (see ``connect_timeout``).
+#: The longest an opening is given after openings timed out (see ``connect_timeout``).
 MAX_OPEN_TIMEOUT = 120.0
 #: How often a standby receiver asks for a session another receiver holds.
 STANDBY_SECONDS = 1.0
@@ -363,11 +363,11 @@ def _outgoing(message: OutgoingMessage, *, session_id: str) -> ServiceBusMessage
 
 
 class _OpenDeadline:
-    """How long a sender's opening is given: ``connect_timeout``, twice as long after each one
-    that timed out (up to :data:`MAX_OPEN_TIMEOUT`), and once one opens, twice what it took
-    (never less than ``connect_timeout``): a namespace that is slow now stays slow for a while.
-    One per transport, shared by its senders and kept when a failed start-up check closes
-    them."""
+    """How long an opening (a sender's or a receiver's) is given: ``connect_timeout``, twice as
+    long after each one that timed out (up to :data:`MAX_OPEN_TIMEOUT`), and once one opens,
+    twice what it took (never less than ``connect_timeout``): a namespace that is slow now stays
+    slow for a while. One per transport, shared by its senders and receivers, and kept when a
+    failed start-up check closes them."""
 
     def __init__(self, base: float) -> None:
         self.base = base
@@ -595,13 +595,13 @@ class _ServiceBusSubscription(AsyncResource):
         entity: str,
         *,
         prefetch: int,
-        open_timeout: float,
+        deadline: _OpenDeadline,
         on_close: Callable[[_ServiceBusSubscription], None],
     ) -> None:
         self._open_receiver = open_receiver
         self._entity = entity
         self._prefetch = max(1, prefetch)
-        self._open_timeout = open_timeout
+        self._deadline = deadline
         self._on_close = on_close
         self._receiver: ServiceBusReceiver | None = None
         self._buffer: deque[_ServiceBusDelivery] = deque()
@@ -644,8 +644,7 @@ class _ServiceBusSubscription(AsyncResource):
         try:
             if self._receiver is None:
                 self._receiver = self._open_receiver()
-                # The SDK alone would wait for ever on a silent link.
-                await asyncio.wait_for(self._receiver.__aenter__(), self._open_timeout)
+                await self._open()
             batch = await self._receiver.receive_messages(
                 max_message_count=self._prefetch, max_wait_time=RECEIVE_WAIT_SECONDS
             )
@@ -662,7 +661,7 @@ class _ServiceBusSubscription(AsyncResource):
             log.warning(
                 "receiving from %s failed (%s); opening the receiver again in %.1f s",
                 self._entity,
-                exc or f"no answer within {self._open_timeout:g} s",
+                str(exc) or type(exc).__name__,
                 delay,
             )
             await self._drop_receiver()
@@ -670,6 +669,21 @@ class _ServiceBusSubscription(AsyncResource):
         self._backoff.reset()
         self._buffer.extend(_ServiceBusDelivery(self, message) for message in batch)
         return 0.0
+
+    async def _open(self) -> None:
+        """Open the receiver, bounded (the SDK alone would wait for ever on a silent link) by the
+        transport's opening deadline, which grows while openings time out, as a sender's."""
+        assert self._receiver is not None
+        timeout = self._deadline.seconds
+        began = time.monotonic()
+        try:
+            await asyncio.wait_for(self._receiver.__aenter__(), timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"opening the receiver: no answer within {timeout:g} s; the next opening is "
+                f"given {self._deadline.timed_out():g} s"
+            ) from exc
+        self._deadline.opened(time.monotonic() - began)
 
     async def _drop_receiver(self) -> None:
         receiver, self._receiver = self._receiver, None
@@ -877,7 +891,7 @@ class ServiceBusTransport(AsyncResource):
             lambda: factory(client),
             entity,
             prefetch=prefetch,
-            open_timeout=self.settings.connect_timeout,
+            deadline=self._open_deadline,
             on_close=self._forget,
         )
         self._subscriptions.add(subscription)

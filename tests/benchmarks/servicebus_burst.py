@@ -26,6 +26,7 @@ import logging
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,10 +45,12 @@ class _ReceiverFailures(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.count = 0
+        self.reasons: Counter[str] = Counter()
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("receiving from"):
             self.count += 1
+            self.reasons[str(record.args[1])[:120] if record.args else "?"] += 1
 
 
 @dataclass
@@ -154,6 +157,7 @@ async def measure(
             "approval_p50_s": at(progress.approved, 0.5),
             "approval_last_s": at(progress.approved, 1.0),
             "receivers_thrown_away": failures.count,
+            "why": dict(failures.reasons.most_common(3)),
         }
     return figures
 

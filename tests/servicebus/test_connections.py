@@ -223,15 +223,22 @@ async def test_a_stalled_link_fails_the_publish_in_time_and_the_next_one_reconne
 class _Gate:
     """Forwards to the double, except that its ``silent``-th connection is accepted and never
     answered (a link that went silent: only a bounded open gets past it), and that every other
-    one is forwarded only ``delay`` seconds after it was accepted (a namespace slow to open
-    links)."""
+    one from the ``slow_from``-th on is forwarded only ``delay`` seconds after it was accepted
+    (a namespace slow to open links)."""
 
     def __init__(
-        self, host: str, port: int, *, silent: int | None = None, delay: float = 0.0
+        self,
+        host: str,
+        port: int,
+        *,
+        silent: int | None = None,
+        delay: float = 0.0,
+        slow_from: int = 1,
     ) -> None:
         self._target = (host, port)
         self._nth = silent
         self._delay = delay
+        self._slow_from = slow_from
         self.accepted = 0
         self._server: asyncio.Server | None = None
         self._silent: list[asyncio.StreamWriter] = []
@@ -258,7 +265,8 @@ class _Gate:
             self._silent.append(writer)
             return
         self._silent.append(writer)  # aborted at the end, if the delay is not over
-        await asyncio.sleep(self._delay)
+        if self.accepted >= self._slow_from:
+            await asyncio.sleep(self._delay)
         self._silent.remove(writer)
         up_reader, up_writer = await asyncio.open_connection(*self._target)
 
@@ -419,3 +427,33 @@ async def test_openings_share_one_tls_context_instead_of_reading_the_ca_bundle_e
             await (await receive(inbox, within=10)).ack()
     assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 6
     assert _CountingContext.built <= 1, _CountingContext.built
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_an_approvals_receiver_slower_to_open_than_connect_timeout_is_given_longer(
+    double: ServiceBusDouble, channels: ChannelNames
+) -> None:
+    """Receivers open under the same storm as senders (a wave: every agent opens its approvals
+    session at once). With every opening taking 2.5 s and ``connect_timeout`` 1 s, a fixed
+    deadline threw each one away half done, for ever; as for senders, each that timed out gives
+    the next twice as long, so the third (4 s) opens and the approval arrives."""
+    async with (
+        ServiceBusTransport(double.connection_string, channels) as approver,
+        _Gate(double.host, double.port, delay=2.5, slow_from=2) as proxy,  # 1: start-up check
+    ):
+        address = (
+            f"Endpoint=sb://127.0.0.1:{proxy.port};SharedAccessKeyName=k;SharedAccessKey=s;"
+            "UseDevelopmentEmulator=true;connect_timeout=1"
+        )
+        sent = outgoing("approve", routing_key="vm-1", ttl_seconds=60)
+        await approver.send_approval(approver.reply_address("vm-1"), sent)
+        async with (
+            ServiceBusTransport(address, channels) as agent,
+            agent.approvals("vm-1") as inbox,
+        ):
+            got = await receive(inbox, within=25)
+            await got.ack()
+        openings = proxy.accepted - 1
+    _close_what_the_sdk_left_open()
+    assert got.message_id == sent.message_id
+    assert openings == 3  # 1 s, 2 s, then 4 s: opened
