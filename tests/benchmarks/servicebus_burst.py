@@ -50,7 +50,8 @@ class _ReceiverFailures(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("receiving from"):
             self.count += 1
-            self.reasons[str(record.args[1])[:120] if record.args else "?"] += 1
+            args = record.args if isinstance(record.args, tuple) else ()
+            self.reasons[str(args[1])[:120] if len(args) > 1 else "?"] += 1
 
 
 @dataclass
