@@ -242,6 +242,12 @@ class Namespace:
             raise EntityNotFound(f"The messaging entity '{path}' could not be found.")
         return entity
 
+    def destination_paths(self, address: str) -> frozenset[str]:
+        """The entities (lower-case paths) a message sent to ``address`` lands in: the queue,
+        or the topic's subscriptions."""
+        with self._lock:
+            return frozenset(entity.path.lower() for entity in self._target(address).destinations)
+
     def check_send_target(self, address: str) -> str:
         with self._lock:
             return self._target(address).path
