@@ -151,6 +151,9 @@ class ServiceBusHandler(Handler):
         self.port: int | None = None
         self.acceptor: Acceptor | None = None
         self._links: dict[str, Link] = {}
+        #: The owners of each connection's links: a closed connection forgets its own links
+        #: without comparing every link's connection (proton builds wrappers for each).
+        self._owners_by_connection: dict[Any, set[str]] = {}
         self._connections: set[Any] = set()
         self._owner_ids = itertools.count(1)
         self._tick_task: Task | None = None
@@ -249,14 +252,15 @@ class ServiceBusHandler(Handler):
             self._container.stop()
 
     def _forget_connection(self, connection: Any) -> None:
-        for owner, link in list(self._links.items()):
-            if link.connection == connection:
-                self._forget_link(owner)
+        for owner in self._owners_by_connection.pop(connection, set()):
+            self._forget_link(owner)
 
     def _forget_link(self, owner: str) -> None:
         link = self._links.pop(owner, None)
         if link is None:
             return
+        if owners := self._owners_by_connection.get(link.connection):
+            owners.discard(owner)
         state: _LinkState = link.sb_state
         self._uncount(link, state)
         if state.session_id is not None and state.pending_until is None:
@@ -282,6 +286,7 @@ class ServiceBusHandler(Handler):
         link.target.copy(link.remote_target)
         link.sb_state = state
         self._links[owner] = link
+        self._owners_by_connection.setdefault(link.connection, set()).add(owner)
         if state.pending_until is not None:
             self._serve_pending_sessions()
             return
