@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import sys
 import time
@@ -193,6 +194,9 @@ class DoubleProcess:
         self.connection_string = ""
 
     async def __aenter__(self) -> Self:
+        # proton logs every peer that hangs up first: the double's log is shown only when
+        # asked for (SERVICEBUS_DOUBLE_STDERR=1: on this process's stderr)
+        shown = bool(os.environ.get("SERVICEBUS_DOUBLE_STDERR"))
         self._process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -201,7 +205,7 @@ class DoubleProcess:
             cwd=REPO,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,  # proton logs every peer that hangs up first
+            stderr=None if shown else asyncio.subprocess.DEVNULL,
         )
         await self._line()  # listening on HOST:PORT
         self.connection_string = await self._line()

@@ -101,6 +101,9 @@ class _LinkState:
     pending_until: float | None = None
     #: Counted in ``usage`` (an entity link the double opened, until it goes away).
     counted: bool = False
+    #: The link's connection, kept from when the link opened: a closing link's endpoints may
+    #: be gone by the time it is forgotten.
+    connection: Any = None
 
 
 def _ticks(epoch_seconds: float) -> int:
@@ -259,9 +262,9 @@ class ServiceBusHandler(Handler):
         link = self._links.pop(owner, None)
         if link is None:
             return
-        if owners := self._owners_by_connection.get(link.connection):
-            owners.discard(owner)
         state: _LinkState = link.sb_state
+        if owners := self._owners_by_connection.get(state.connection):
+            owners.discard(owner)
         self._uncount(link, state)
         if state.session_id is not None and state.pending_until is None:
             self.namespace.release_session(state.path, state.session_id, state.owner)
@@ -286,7 +289,8 @@ class ServiceBusHandler(Handler):
         link.target.copy(link.remote_target)
         link.sb_state = state
         self._links[owner] = link
-        self._owners_by_connection.setdefault(link.connection, set()).add(owner)
+        state.connection = link.connection
+        self._owners_by_connection.setdefault(state.connection, set()).add(owner)
         if state.pending_until is not None:
             self._serve_pending_sessions()
             return
