@@ -299,6 +299,7 @@ async def measure(plan: Plan) -> Result:
     names = local.vm_names()
     with tempfile.TemporaryDirectory(prefix="fleet-") as scratch:
         key, public = write_key_pair(Path(scratch))
+        setup = (topology, names, local, scratch, key, public)
         if plan.servicebus:
             from tests.benchmarks.servicebus_capacity import DoubleProcess
 
@@ -309,17 +310,7 @@ async def measure(plan: Plan) -> Result:
                 plan = replace(plan, broker=double.connection_string, agents_per_connection=0)
                 result.plan = plan
                 await _run(
-                    plan,
-                    result,
-                    procs,
-                    channels,
-                    topology,
-                    names,
-                    local,
-                    scratch,
-                    key,
-                    public,
-                    broker=("Service Bus double", double.pid),
+                    plan, result, procs, channels, *setup, broker=("Service Bus double", double.pid)
                 )
             return result
         coordinator = open_transport(plan.broker, channels, name="fleet coordinator")
@@ -328,17 +319,7 @@ async def measure(plan: Plan) -> Result:
             await coordinator.declare_group("audit")
             try:
                 await _run(
-                    plan,
-                    result,
-                    procs,
-                    channels,
-                    topology,
-                    names,
-                    local,
-                    scratch,
-                    key,
-                    public,
-                    broker=("RabbitMQ", _rabbitmq_pid()),
+                    plan, result, procs, channels, *setup, broker=("RabbitMQ", _rabbitmq_pid())
                 )
             finally:
                 # Agents still running (one that did not stop in time) would declare their
