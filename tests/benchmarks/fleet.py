@@ -179,7 +179,14 @@ class Result:
             "detected_to_posted_p99_s": self.detected_to_posted.p99,
             "poll_interval_s": self.plan.poll_interval,
             "transport": "servicebus" if self.plan.servicebus else "rabbitmq",
+            "finished": self.finished,
         }
+
+    @property
+    def finished(self) -> bool:
+        """Whether every approvable event completed before the run's time limit: if not, what
+        ``lost`` counts may have been still under way when the run stopped."""
+        return self.completed >= self.approvable
 
 
 class _Process:
@@ -627,6 +634,15 @@ def table(result: Result) -> str:
         f"lost {result.lost} {result.lost_by_kind}; duplicates to handlers "
         f"{result.duplicates_to_handlers}; wrong POSTs {result.wrong_posts} (of {result.posts}"
         f" POSTs); dead-lettered {result.dead_lettered}",
+        *(
+            []
+            if result.finished
+            else [
+                f"NOT FINISHED: {result.approvable - result.completed} of {result.approvable} "
+                "approvable events had not completed at the time limit (--timeout); 'lost' "
+                "counts their transitions that were still under way then"
+            ]
+        ),
         f"IMDS errors {result.imds_errors}; busiest VM {result.busiest_vm_per_second} requests"
         " in one second",
         "CPU (% of one core) from the burst to the end: "
