@@ -72,9 +72,7 @@ DEFAULT_SESSION_WAIT = 60.0
 TICK_SECONDS = 0.05
 RECEIVER_CREDIT = 100
 STOP_GRACE_SECONDS = 2.0
-LISTEN_BACKLOG = 4096
-#: Connections accepted per turn of the reactor, at most.
-ACCEPTS_PER_TURN = 64
+LISTEN_BACKLOG = 1024
 
 
 class _ForceStop:
@@ -178,22 +176,8 @@ class ServiceBusHandler(Handler):
         sock = cast(socket.socket, self.acceptor._selectable._delegate)
         # proton listens with a backlog of 10 and accepts one connection per turn of its loop:
         # clients that open many connections at once (one per SDK sender or receiver) would
-        # see their SYNs dropped and connect seconds later. A longer backlog, and up to
-        # ACCEPTS_PER_TURN accepted per turn: with one per turn and a busy loop, 1,000 agents
-        # opening at once kept the queue full (26,000 listen overflows in one run), and the
-        # kernel's dropped handshakes surfaced in the SDK, minutes later, as "connection closed
-        # abruptly" (ETIMEDOUT).
+        # see their SYNs dropped and connect seconds later.
         sock.listen(LISTEN_BACKLOG)
-        accept_one = self.acceptor.on_selectable_readable
-
-        def accept_many(event: Event) -> None:
-            for _ in range(ACCEPTS_PER_TURN):
-                try:
-                    accept_one(event)
-                except BlockingIOError:  # the queue is empty (the socket does not block)
-                    return
-
-        self.acceptor.on_selectable_readable = accept_many  # type: ignore[method-assign]
         self.port = int(sock.getsockname()[1])
         _LOGGER.info("listening on %s:%d", self._host, self.port)
         self._tick_task = container.schedule(TICK_SECONDS, self)
