@@ -380,6 +380,20 @@ class _OpenDeadline:
     def opened(self, took: float) -> None:
         self.seconds = max(self.base, min(2 * took, MAX_OPEN_TIMEOUT))
 
+    async def bound(self, opening: Awaitable[object], what: str) -> None:
+        """Await ``opening`` within the deadline, and learn from it: a :class:`TimeoutError`
+        saying so (and what the next opening is given) if it took longer."""
+        timeout = self.seconds
+        began = time.monotonic()
+        try:
+            await asyncio.wait_for(opening, timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"{what}: no answer within {timeout:g} s; the next opening is given "
+                f"{self.timed_out():g} s"
+            ) from exc
+        self.opened(time.monotonic() - began)
+
 
 class _Sender:
     """One entity's sender: opened by a send, closed ``sender_idle_timeout`` seconds after the
@@ -468,24 +482,16 @@ class _Sender:
             self._idle_soon()
 
     async def _open(self, sender: ServiceBusSender) -> None:
-        timeout = self._deadline.seconds
-        began = time.monotonic()
         try:
-            await self._bounded(sender.__aenter__(), timeout, "opening")
+            await self._deadline.bound(sender.__aenter__(), f"opening a sender to {self.entity}")
         except BaseException as exc:
             if self._current is sender:
                 self._discard()
             if isinstance(exc, TimeoutError):
-                log.info(
-                    "opening a sender to %s took more than %g s: the next opening is given %g s",
-                    self.entity,
-                    timeout,
-                    self._deadline.timed_out(),
-                )
+                log.info("%s", exc)  # its send may be gone (cancelled): said here
             raise
         finally:
             self._opening = None
-        self._deadline.opened(time.monotonic() - began)
         self._idle_soon()  # its send may be gone (cancelled): then the idle timer starts now
 
     def _idle_soon(self) -> None:
@@ -644,7 +650,8 @@ class _ServiceBusSubscription(AsyncResource):
         try:
             if self._receiver is None:
                 self._receiver = self._open_receiver()
-                await self._open()
+                # The SDK alone would wait for ever on a silent link.
+                await self._deadline.bound(self._receiver.__aenter__(), "opening the receiver")
             batch = await self._receiver.receive_messages(
                 max_message_count=self._prefetch, max_wait_time=RECEIVE_WAIT_SECONDS
             )
@@ -669,21 +676,6 @@ class _ServiceBusSubscription(AsyncResource):
         self._backoff.reset()
         self._buffer.extend(_ServiceBusDelivery(self, message) for message in batch)
         return 0.0
-
-    async def _open(self) -> None:
-        """Open the receiver, bounded (the SDK alone would wait for ever on a silent link) by the
-        transport's opening deadline, which grows while openings time out, as a sender's."""
-        assert self._receiver is not None
-        timeout = self._deadline.seconds
-        began = time.monotonic()
-        try:
-            await asyncio.wait_for(self._receiver.__aenter__(), timeout)
-        except TimeoutError as exc:
-            raise TimeoutError(
-                f"opening the receiver: no answer within {timeout:g} s; the next opening is "
-                f"given {self._deadline.timed_out():g} s"
-            ) from exc
-        self._deadline.opened(time.monotonic() - began)
 
     async def _drop_receiver(self) -> None:
         receiver, self._receiver = self._receiver, None
