@@ -328,7 +328,7 @@ class Agent:
             identity=identity,
             reply_to=reply_to,
             imds=imds,
-            fresh=watcher.fresh,
+            document=watcher.document_since,
             store=store,
             metrics=self.metrics,
             trusted=trusted,

@@ -4,11 +4,11 @@ An approval is applied only when all of these hold, checked in this order, each 
 own reason in ``approval.rejected``: the agent is not observe-only (a trusted key, or
 ``--accept-unsigned-approvals``); the signature is good and from a trusted key; it has not
 expired (nor outlived ``approval_max_lifetime`` since it was issued, whatever it says); it names
-this VM; the event is in a document IMDS returned after the approval arrived, lists this VM, is
-still Scheduled, and is still the version the approval was decided on (``event-changed``
-otherwise: an event that changed after it was judged is judged again, never started on the old
-judgement). ``--dry-run`` verifies and reports (``approval.applied`` with ``dry_run``) but
-never POSTs.
+this VM; the event is in a document from a poll begun after the approval was decided, and at
+most ``DOCUMENT_MAX_AGE`` (a second) before the check, lists this VM, is still Scheduled, and is
+still the version the approval was decided on (``event-changed`` otherwise: an event that changed
+after it was judged is judged again, never started on the old judgement). ``--dry-run``
+verifies and reports (``approval.applied`` with ``dry_run``) but never POSTs.
 
 The outcome is never misreported: the intent to apply an approval is durable before the POST,
 so an agent killed between its POST and the outcome reports it as applied when the approval
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -59,10 +60,20 @@ log = logging.getLogger(__name__)
 #: Deliveries of one approval while IMDS cannot be asked, before it is refused.
 MAX_ATTEMPTS = 5
 
+#: How long before its check the poll an approval is checked against may have begun (seconds).
+#: An approval decided before the agent's last poll began and arriving within a second of it is
+#: POSTed on that poll's document at once. Asking IMDS again would not make the POST's document
+#: much younger: the VM's request budget (two in any second) holds that POST, the third request
+#: within a second of the last poll, until the poll leaves the window; so it went out on a
+#: document up to a second old anyway, up to a second later, for one more request out of a
+#: budget every client on the VM shares.
+DOCUMENT_MAX_AGE = 1.0
+
 
 class ApprovalHandler:
     """Handles one delivery at a time (``handle``); ``on_applied(event_id)`` is called after a POST.
-    ``fresh`` gives a document IMDS returned after the call (see the watcher)."""
+    ``document(since)`` gives the trusted document of a poll begun at ``since`` (monotonic) or
+    later (see the watcher)."""
 
     def __init__(
         self,
@@ -71,7 +82,7 @@ class ApprovalHandler:
         identity: VmIdentity,
         reply_to: ReplyAddress,
         imds: ImdsClient,
-        fresh: Callable[[], Awaitable[ScheduledEventsDocument]],
+        document: Callable[[float], Awaitable[ScheduledEventsDocument]],
         store: StateStore,
         metrics: Metrics,
         trusted: Mapping[str, Any],
@@ -84,7 +95,7 @@ class ApprovalHandler:
         self._identity = identity
         self._reply_to = reply_to
         self._imds = imds
-        self._fresh = fresh
+        self._document = document
         self._store = store
         self._metrics = metrics
         self._trusted = trusted
@@ -235,7 +246,7 @@ class ApprovalHandler:
         second POST as a no-op, so it counts as applied, whatever the event did since."""
         event: ScheduledEvent | None = None
         try:
-            event = (await self._fresh()).event(intent.event_id)
+            event = (await self._document(time.monotonic())).event(intent.event_id)
         except ImdsError as exc:
             log.info("reconciling approval %s without IMDS (%s)", intent.approval_id, exc)
         if (
@@ -299,7 +310,11 @@ class ApprovalHandler:
 
     async def _check_event(self, approval: Approval) -> ScheduledEvent:
         vm = self._identity.name
-        document = await self._fresh()
+        # A poll begun after the decision (by this VM's clock), and within DOCUMENT_MAX_AGE.
+        decided_ago = (datetime.now(UTC) - approval.issued_at).total_seconds()
+        document = await self._document(
+            time.monotonic() - min(DOCUMENT_MAX_AGE, max(0.0, decided_ago))
+        )
         event = document.event(approval.event_id)
         if event is None:
             raise ApprovalRejected(

@@ -12,9 +12,11 @@ It trusts IMDS only as far as IMDS deserves:
 - an event with a NotBefore that is not a date is kept (with a warning), so one bad field never
   blinds the agent to the other events.
 
-Approvals ask for a document fetched after they arrived (:meth:`Watcher.fresh`): the next poll
-is made at once and serves both, so an approval costs one GET (plus its POST), and the
-transitions that GET shows are published like any other.
+Approvals ask for a document from a poll begun at a given time or later
+(:meth:`Watcher.document_since`): the last trusted one if it is that recent, the poll under way
+if it began then, or else the next poll, made at once; that poll serves both, so an approval
+costs at most one GET (plus its POST), and the transitions that GET shows are published like any
+other.
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ class Watcher:
         self._held_since: float | None = None
         self._held_polls = 0
         self._waiters: list[asyncio.Future[ScheduledEventsDocument]] = []
+        #: The poll under way (when it began, monotonic) and who waits for its document.
+        self._polling: list[asyncio.Future[ScheduledEventsDocument]] = []
+        self._polling_began: float | None = None
+        #: When the poll that gave ``document`` began (a stored document: never).
+        self._document_began = float("-inf")
         self._warned_not_before: set[str] = set()
         #: Monotonic time of the last good poll; set when IMDS fails, cleared when it answers.
         self.last_poll: float | None = None
@@ -107,12 +114,19 @@ class Watcher:
 
     # ---------------------------------------------------------------------------- fresh
 
-    async def fresh(self) -> ScheduledEventsDocument:
-        """A document fetched after this call (and trusted); :class:`ImdsError` when that
-        poll failed or IMDS answered an older document."""
+    async def document_since(self, since: float) -> ScheduledEventsDocument:
+        """The trusted document of a poll begun at ``since`` (monotonic) or later: the last one
+        if its poll began then, else that of the poll under way if it did, else that of the
+        next poll, made at once (``since`` now: a document fetched after this call).
+        :class:`ImdsError` when that poll failed or IMDS answered an older document."""
+        if self.document is not None and self._document_began >= since:
+            return self.document
         future: asyncio.Future[ScheduledEventsDocument] = asyncio.get_running_loop().create_future()
-        self._waiters.append(future)
-        self._cadence.wake()
+        if self._polling_began is not None and self._polling_began >= since:
+            self._polling.append(future)
+        else:
+            self._waiters.append(future)
+            self._cadence.wake()
         return await future
 
     def _answer(
@@ -141,7 +155,7 @@ class Watcher:
             began = time.monotonic()
             waiters, self._waiters = self._waiters, []
             try:
-                document = await self._imds.scheduled_events()
+                document = await self._poll(began, waiters)
             except ImdsError as exc:
                 self._failed(exc)
                 self._answer(waiters, exc)
@@ -155,6 +169,7 @@ class Watcher:
             self._answered()
             trusted = await self._take(document)
             if trusted:
+                self._document_began = began
                 self._answer(waiters, document)
             else:
                 self._answer(
@@ -165,6 +180,17 @@ class Watcher:
             watched = self._watched(self.document)
             self._set_approvable(watched)
             await self._cadence.wait_next(began, watched)
+
+    async def _poll(
+        self, began: float, waiters: list[asyncio.Future[ScheduledEventsDocument]]
+    ) -> ScheduledEventsDocument:
+        """One GET; while it is under way, who asks for a document from ``began`` on joins
+        ``waiters`` (and once it is over, waits for the next poll)."""
+        self._polling, self._polling_began = waiters, began
+        try:
+            return await self._imds.scheduled_events()
+        finally:
+            self._polling_began = None
 
     def _failed(self, exc: ImdsError) -> None:
         self._metrics.imds_errors.labels(exc.kind).inc()

@@ -3,6 +3,7 @@ reason and never POSTed, and the outcome is published before the delivery is ack
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -407,3 +408,98 @@ async def test_after_an_approval_a_slow_poll_turns_fast_at_once_and_sees_the_eve
     )
     assert outcome.data.applied
     assert reported == ["scheduled", "started", "completed"]
+
+
+async def _requests_around_an_approval(
+    broker: Broker,
+    tmp_path: Path,
+    *,
+    poll_interval: float,
+    after_poll: float,
+    changed_after_poll: bool = False,
+) -> tuple[list[str], ApprovalOutcomeMessage]:
+    """A Reboot on web-7 (the agent polling every ``poll_interval``), approved ``after_poll``
+    seconds after one of the agent's polls: the agent's IMDS requests from that poll on, up to
+    its POST if it made one ("GET" or "POST" each), and the outcome.
+
+    The approval is decided before that poll, unless ``changed_after_poll``: then Azure changes
+    the event right after the poll (a longer Reboot), and only then does an approver that had
+    not seen the change yet decide, on the version before it."""
+    private, public = write_key_pair(tmp_path / "keys")
+    key = load_signing_key(private)
+    async with (
+        simulator_server("web-7") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        sim = server.simulator
+        event = sim.add_event(
+            EventSpec(event_type=EventType.REBOOT, resources=["web-7"], not_before_seconds=900)
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
+        )
+        settings = replace(settings, poll_interval=poll_interval)
+        transport = open_transport(broker.url, broker.channels)
+        async with running(settings), transport:
+            await rec.wait_kind(MessageType.SCHEDULED, within=15)
+            judged = version_of(sim, event.event_id)
+            approval = signed_approval(sim, event.event_id, "web-7", key)
+            seen = len(sim.requests(vm="web-7"))
+            while len(sim.requests(vm="web-7")) == seen:  # noqa: ASYNC110 - the simulator's log
+                await asyncio.sleep(0.01)
+            poll = len(sim.requests(vm="web-7")) - 1
+            if changed_after_poll:
+                sim.update_event(event.event_id, duration_in_seconds=600)
+                approval = sign(
+                    new_approval(event.event_id, "web-7", decided_by="test", event_version=judged),
+                    key,
+                )
+            await asyncio.sleep(after_poll)
+            await transport.send_approval(
+                transport.reply_address("web-7"), approval_message(approval)
+            )
+            outcome = await _outcome(rec, approval.approval_id)
+        methods = [r.method for r in sim.requests(vm="web-7")[poll:]]
+        return methods[: methods.index("POST") + 1 if "POST" in methods else 2], outcome
+
+
+async def test_an_approval_soon_after_a_poll_is_posted_at_once_on_that_polls_document(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """An approval decided before the agent's last poll began, arriving within a second of that
+    poll, is checked against its document and POSTed at once: no GET of its own, and so no wait
+    for a slot in the VM's IMDS budget (two requests in any second). Before, it asked for
+    another GET, and its POST, the third request within a second, waited for the first poll to
+    leave the window: up to a second later, on a document no fresher than this one."""
+    requests, outcome = await _requests_around_an_approval(
+        broker, tmp_path, poll_interval=1.0, after_poll=0.1
+    )
+    assert outcome.data.applied
+    assert requests == ["GET", "POST"]
+
+
+async def test_an_approval_long_after_the_last_poll_is_checked_against_a_new_one(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """An approval that arrives more than a second after the last poll (here 1.5 s, polling
+    every 5 s) is checked against a poll made for it before the POST, never against the older
+    document."""
+    requests, outcome = await _requests_around_an_approval(
+        broker, tmp_path, poll_interval=5.0, after_poll=1.5
+    )
+    assert outcome.data.applied
+    assert requests == ["GET", "GET", "POST"]
+
+
+async def test_an_approval_decided_after_the_last_poll_is_checked_against_a_new_one(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """However recent the last poll, an approval decided after it began is checked against a
+    new one: the event changed in between (Azure lengthened it right after the poll), the
+    approval names the version before, and it is refused, never POSTed, as the approver's
+    judgement of the old version says nothing of the new one."""
+    requests, outcome = await _requests_around_an_approval(
+        broker, tmp_path, poll_interval=5.0, after_poll=0.1, changed_after_poll=True
+    )
+    assert outcome.data.reason == "event-changed"
+    assert requests == ["GET", "GET"]
