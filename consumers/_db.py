@@ -120,8 +120,9 @@ class _SqliteTransaction:
         return count
 
     async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
-        async with self._db.execute(sql, tuple(_sqlite_value(a) for a in args)) as cursor:
-            return [tuple(row) for row in await cursor.fetchall()]
+        # One trip to aiosqlite's thread (execute, fetch and close there), not three.
+        rows = await self._db.execute_fetchall(sql, tuple(_sqlite_value(a) for a in args))
+        return [tuple(row) for row in rows]
 
     async def fetchone(self, sql: str, *args: object) -> tuple[Any, ...] | None:
         rows = await self.fetch(sql, *args)
