@@ -7,7 +7,8 @@ a redelivery or a second audit process changes nothing. Each message is kept as 
 were received (fields of a newer minor version survive) beside its parsed columns; a message of
 a type this version does not know (a newer minor version added it) is recorded too. A second
 message with an id already recorded but other bytes is not dropped silently: :meth:`append`
-says :attr:`Appended.CONFLICT`.
+says :attr:`Appended.CONFLICT`. :meth:`append_many` records a batch in one statement (the
+audit service commits what it handled once per ack batch).
 
 SQLite by default; PostgreSQL (the ``postgres`` extra) for central deployments. The URL picks
 the backend (see :func:`consumers._db.open_database`); the statements are written once.
@@ -89,11 +90,14 @@ class LedgerEntry:
         }
 
 
-_INSERT_MESSAGE = (
+_INSERT_MESSAGES = (
     "INSERT INTO ledger_messages (message_id, time, kind, source, vm, event_id, event_type, "
-    "sequence, body, received_at, sender, schemaversion, raw) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO NOTHING"
+    "sequence, body, received_at, sender, schemaversion, raw) VALUES {rows} "
+    "ON CONFLICT (message_id) DO NOTHING RETURNING message_id"
 )
+_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+#: Rows per INSERT statement (13 values each: well under either database's parameter limit).
+_ROWS_PER_INSERT = 256
 _INSERT_DECISION = (
     "INSERT INTO ledger_decisions (time, event_id, event_type, target, body) VALUES (?, ?, ?, ?, ?)"
 )
@@ -132,36 +136,41 @@ class Ledger(AsyncResource):
     ) -> Appended:
         """Record a message (its bytes as received when it was received); ``sender`` is who
         the broker says published it."""
-        if isinstance(message, NewerMessage):
-            raw = message.received_bytes
-            kind, vm = message.kind_name, message.vm_name
-            event_type = _event_type(message.data)
-            body = raw.decode()
-        else:
-            raw = message.received_bytes or message.to_bytes()
-            kind, vm, event_type = message.kind.value, message.vm.name, message.event_type
-            body = message.to_bytes().decode()
-        row = (
-            message.id,
-            message.time,
-            kind,
-            message.source,
-            vm,
-            message.subject,
-            event_type,
-            message.sequence,
-            body,
-            datetime.now(UTC),
-            sender,
-            message.schemaversion,
-            raw,
-        )
-        if await self.db.execute(_INSERT_MESSAGE, *row):
-            return Appended.NEW
+        (appended,) = await self.append_many([(message, sender)])
+        return appended
+
+    async def append_many(
+        self, messages: Sequence[tuple[LifecycleMessage | NewerMessage, str | None]]
+    ) -> list[Appended]:
+        """Record messages (each with its ``sender``) in one statement per
+        ``_ROWS_PER_INSERT``, so a burst costs the database one commit per statement rather
+        than one per message; what became of each, in order."""
+        inserted: set[str] = set()
+        for start in range(0, len(messages), _ROWS_PER_INSERT):
+            chunk = messages[start : start + _ROWS_PER_INSERT]
+            values = [value for message, sender in chunk for value in _row(message, sender)]
+            sql = _INSERT_MESSAGES.format(rows=", ".join([_ROW] * len(chunk)))
+            # RETURNING names the rows that are new, in the same trip as the insert.
+            inserted.update(row[0] for row in await self.db.fetch(sql, *values))
+        results: list[Appended] = []
+        first: set[str] = set()
+        for message, _ in messages:
+            if message.id in inserted and message.id not in first:
+                first.add(message.id)
+                results.append(Appended.NEW)
+            else:
+                results.append(await self.recorded(message))
+        return results
+
+    async def recorded(self, message: LifecycleMessage | NewerMessage) -> Appended:
+        """How ``message`` compares with what the ledger holds under its id: NEW (nothing),
+        DUPLICATE (the same content) or CONFLICT (other content)."""
         found = await self.db.fetchone(
             "SELECT raw, body FROM ledger_messages WHERE message_id = ?", message.id
         )
-        if found is None or _digest(found) == content_digest(message):
+        if found is None:
+            return Appended.NEW
+        if _digest(found) == content_digest(message):
             return Appended.DUPLICATE
         return Appended.CONFLICT
 
@@ -279,6 +288,34 @@ class Ledger(AsyncResource):
     async def count(self) -> int:
         row = await self.db.fetchone("SELECT count(*) FROM ledger_messages")
         return 0 if row is None else int(row[0])
+
+
+def _row(message: LifecycleMessage | NewerMessage, sender: str | None) -> tuple[object, ...]:
+    """A message's ``ledger_messages`` values, in ``_INSERT_MESSAGES``'s order."""
+    if isinstance(message, NewerMessage):
+        raw = message.received_bytes
+        kind, vm = message.kind_name, message.vm_name
+        event_type = _event_type(message.data)
+        body = raw.decode()
+    else:
+        raw = message.received_bytes or message.to_bytes()
+        kind, vm, event_type = message.kind.value, message.vm.name, message.event_type
+        body = message.to_bytes().decode()
+    return (
+        message.id,
+        message.time,
+        kind,
+        message.source,
+        vm,
+        message.subject,
+        event_type,
+        message.sequence,
+        body,
+        datetime.now(UTC),
+        sender,
+        message.schemaversion,
+        raw,
+    )
 
 
 def _digest(row: Sequence[Any]) -> str | None:

@@ -190,3 +190,58 @@ async def test_the_audit_keeps_each_message_as_received_newer_minor_versions_inc
     ]
     assert [bytes(row[2]) for row in rows] == bodies
     assert service.stream.stats.dead_lettered == 0
+
+
+async def test_a_message_contradicting_the_ledger_is_dead_lettered_and_its_burst_recorded(
+    ledger_url,
+):
+    """The ledger recorded a message in an earlier run of the audit (no dedupe window remembers
+    it now). A message under its id with other content is dead-lettered (``id-conflict``) and
+    never recorded, wherever it falls in a burst; an exact copy is acked and recorded once; the
+    messages around them are all recorded, the original's bytes unchanged."""
+    import dataclasses
+    import uuid
+
+    from consumers._audit_service import AuditService
+    from consumers._stream import DeadLetterReason
+    from schemas.transport import DEAD_LETTER_REASON, MemoryTransport
+    from schemas.wire import lifecycle_message
+
+    messages = scenario()
+    original = messages[1]
+    altered = json.loads(original.to_bytes())
+    altered["data"]["event"]["EventType"] = "Redeploy"
+    forged = dataclasses.replace(
+        lifecycle_message(original), body=json.dumps(altered).encode(), message_id=original.id
+    )
+    async with (
+        MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport,
+        open_ledger(ledger_url) as ledger,
+    ):
+        assert await ledger.append(original) is Appended.NEW
+        await transport.declare_group("audit")
+        await transport.publish(lifecycle_message(messages[0]))
+        await transport.publish(forged)
+        for message in messages[1:]:
+            await transport.publish(lifecycle_message(message))
+        service = AuditService(transport, ledger)
+        runner = asyncio.create_task(service.run())
+        async with transport.dead_letters("audit") as dead:
+            async with asyncio.timeout(10):
+                letter = await anext(aiter(dead))
+                await letter.ack()
+                while await ledger.count() < len(messages):  # noqa: ASYNC110 - the ledger
+                    await asyncio.sleep(0.05)
+        service.stop()
+        await asyncio.wait_for(runner, 5)
+        rows = await ledger.db.fetch("SELECT message_id, raw FROM ledger_messages")
+    assert letter.body == forged.body
+    assert service.stream.stats.dead_lettered == 1
+    assert letter.properties[DEAD_LETTER_REASON] == DeadLetterReason.ID_CONFLICT
+    assert sorted(row[0] for row in rows) == sorted(m.id for m in messages)
+    stored = {row[0]: bytes(row[1]) for row in rows}
+    assert stored[original.id] == original.to_bytes()
+    # Counted once: by the ledger's check, or by the stream's window when the original's copy
+    # was kept first (which one depends on where the batches fell).
+    assert service.conflicts + service.stream.stats.conflicts == 1
+    assert service.appended == len(messages) - 1
