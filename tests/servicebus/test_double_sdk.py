@@ -22,7 +22,7 @@ from azure.servicebus.exceptions import (
     SessionCannotBeLockedError,
 )
 
-from tests.servicebus.conftest import LOCK_DURATION, MAX_DELIVERY_COUNT, Handlers
+from tests.servicebus.conftest import LOCK_DURATION, MAX_DELIVERY_COUNT, Handlers, eventually
 from tests.servicebus_double import EntityOptions, ServiceBusDouble
 
 pytestmark = [pytest.mark.servicebus, pytest.mark.timeout(30)]
@@ -340,3 +340,41 @@ async def test_an_expired_message_is_not_delivered(handlers: Handlers) -> None:
     (got,) = await receiver.receive_messages(max_message_count=1, max_wait_time=WAIT)
     assert body(got) == b"fresh"
     assert got.time_to_live is None
+
+
+#: More connections than select() can watch (descriptors 0 to 1,023), beside the test's own.
+HELD_CONNECTIONS = 1100
+
+
+async def test_the_double_serves_more_connections_than_select_can_watch(
+    servicebus_double: ServiceBusDouble, handlers: Handlers
+) -> None:
+    """proton's reactor watched its sockets with select(), which refuses a descriptor above
+    1,023: once the double had accepted about a thousand connections (a fleet of 1,000 agents
+    opens more), its thread died on "filedescriptor out of range in select()" and nothing was
+    served any more. With 1,100 idle connections held, it accepts them all and the SDK still
+    sends and receives."""
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 2 * HELD_CONNECTIONS + 512  # both ends live in this process
+    if soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            pytest.skip(f"this machine allows {hard} open files; the test needs {needed}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    held: list[socket.socket] = []
+    try:
+        for _ in range(HELD_CONNECTIONS):
+            held.append(socket.create_connection(("127.0.0.1", servicebus_double.port)))
+        await eventually(
+            lambda: servicebus_double.usage().connections.now >= HELD_CONNECTIONS, within=15
+        )
+        await handlers.queue_sender("q").send_messages(ServiceBusMessage(b"still serving"))
+        receiver = handlers.queue_receiver("q")
+        (got,) = await receiver.receive_messages(max_message_count=1, max_wait_time=10)
+        await receiver.complete_message(got)
+    finally:
+        for sock in held:
+            sock.close()
+    assert body(got) == b"still serving"
