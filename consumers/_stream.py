@@ -30,7 +30,7 @@ is flushed when it is full, when the stream has nothing more to read (``ack_inte
 last message handled), or when its first message has waited ``ack_max_delay`` behind a backlog;
 so under a burst each commit serves a full batch, and a lone message is committed at once. When
 it fails, they are neither acked nor remembered: the subscription is opened again and the broker
-delivers them once more.
+delivers them once more. A stop lets a commit under way finish and ack its batch.
 
 A consumer group scales out by running more processes on the same group name: the broker shares
 the group's queue between them (``exclusive=True``: one active consumer at a time, in order).
@@ -668,7 +668,9 @@ class FleetStream:
         while True:
             await asyncio.sleep(self.ack_interval)
             if self._waiting or self._overdue():
-                await self._flush()
+                # Shielded: a stop, which cancels this task, lets a commit under way finish and
+                # ack its batch (close() waits for it) instead of cutting it off half done.
+                await asyncio.shield(self._flush())
 
     def _overdue(self) -> bool:
         """Whether the first message of the batch waiting for its ack waited ``ack_max_delay``."""

@@ -245,3 +245,35 @@ async def test_a_message_contradicting_the_ledger_is_dead_lettered_and_its_burst
     # was kept first (which one depends on where the batches fell).
     assert service.conflicts + service.stream.stats.conflicts == 1
     assert service.appended == len(messages) - 1
+
+
+async def test_a_stop_during_a_commit_lets_it_finish_and_acks_its_batch(tmp_path):
+    """The audit is stopped while it commits what it handled (the stop comes from inside the
+    commit here, so it is always under way): the commit finishes, the batch is acked, and
+    nothing is left for the next start to handle again. Before, the stop cancelled the
+    commit half done; its messages went back to the queue unacked."""
+    import uuid
+
+    from consumers._audit_service import AuditService
+    from schemas.transport import MemoryTransport
+    from schemas.wire import lifecycle_message
+
+    class StoppedWhileCommitting(AuditService):
+        async def commit(self) -> None:
+            self.stop()
+            await super().commit()
+
+    messages = scenario()
+    async with (
+        MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport,
+        open_ledger(f"sqlite:///{tmp_path / 'audit.db'}") as ledger,
+    ):
+        await transport.declare_group("audit")
+        for message in messages:
+            await transport.publish(lifecycle_message(message))
+        service = StoppedWhileCommitting(transport, ledger)
+        await asyncio.wait_for(service.run(), 10)
+        stored = await ledger.count()
+        left = transport.broker.depth("audit")
+    assert stored == len(messages)
+    assert left == 0
