@@ -105,6 +105,10 @@ class Database(AsyncResource):
 # --------------------------------------------------------------------------------------- SQLite
 
 
+#: The oldest SQLite the statements run on (``RETURNING`` came in 3.35).
+MIN_SQLITE = (3, 35, 0)
+
+
 def _sqlite_value(value: object) -> object:
     return _iso(value) if isinstance(value, datetime) else value
 
@@ -142,10 +146,18 @@ class SqliteDatabase(Database):
         self._lock = asyncio.Lock()
 
     async def connect(self) -> None:
+        import sqlite3
+
         import aiosqlite
 
         if self._db is not None:
             return
+        if sqlite3.sqlite_version_info < MIN_SQLITE:
+            raise ConfigError(
+                f"this Python's SQLite is {sqlite3.sqlite_version}; the ledger needs "
+                f"{'.'.join(map(str, MIN_SQLITE))} or later (INSERT ... RETURNING): use a newer "
+                "Python build, or PostgreSQL"
+            )
         path = self.path
         if path.exists() and not path.is_file():
             raise ConfigError(f"{path} is not a database file (it is a directory or a device)")

@@ -148,6 +148,21 @@ def test_a_bad_database_url_is_a_config_error(capsys):
     assert "is not understood" in capsys.readouterr().err
 
 
+def test_an_sqlite_too_old_for_the_ledger_is_a_config_error(tmp_path, monkeypatch, capsys):
+    """The ledger's INSERT needs SQLite 3.35 (RETURNING). An older library (a Python built
+    against an old system SQLite) is refused at start with what to do, not at the first
+    message. The version is patched: no older SQLite can be loaded here."""
+    import sqlite3
+
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 31, 1))
+    monkeypatch.setattr(sqlite3, "sqlite_version", "3.31.1")
+    db = f"sqlite:///{tmp_path / 'audit.db'}"
+    assert main(["audit", "history", "--db", db, "--vm", "a"]) == 2
+    err = capsys.readouterr().err
+    assert "SQLite is 3.31.1" in err
+    assert "3.35.0 or later" in err
+
+
 async def test_the_audit_keeps_each_message_as_received_newer_minor_versions_included(tmp_path):
     """A newer minor version of the contract may add fields to a known message and add message
     types; the audit stores each message's bytes exactly as received (what this version does
