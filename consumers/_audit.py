@@ -39,7 +39,7 @@ from schemas import (
 from schemas.messages import content_digest
 from schemas.transport import AsyncResource
 
-from ._db import Database, as_time, open_database
+from ._db import Database, DatabaseError, as_time, open_database
 from ._schema import ensure_schema
 
 __all__ = ["Appended", "Ledger", "LedgerEntry", "open_ledger"]
@@ -158,8 +158,13 @@ class Ledger(AsyncResource):
             if message.id in inserted and message.id not in first:
                 first.add(message.id)
                 results.append(Appended.NEW)
-            else:
-                results.append(await self.recorded(message))
+                continue
+            found = await self.recorded(message)
+            if found is Appended.NEW:  # refused, yet not there: never acked as stored
+                raise DatabaseError(
+                    f"{self.db.display}: message {message.id} was neither inserted nor found"
+                )
+            results.append(found)
         return results
 
     async def recorded(self, message: LifecycleMessage | NewerMessage) -> Appended:
