@@ -4,12 +4,16 @@ reason and never POSTed, and the outcome is published before the delivery is ack
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-from publisher.simulator import EventSpec, EventState, EventType, FaultSpec
+from publisher import AgentSettings
+from publisher.simulator import EventInfo, EventSpec, EventState, EventType, FaultSpec, Simulator
 from schemas import (
     Approval,
     ApprovalOutcomeMessage,
@@ -301,6 +305,25 @@ def _fresh(approval: Approval) -> Approval:
     return approval.model_copy(update={"approval_id": str(uuid.uuid4())})
 
 
+@contextlib.asynccontextmanager
+async def _web7(
+    broker: Broker, tmp_path: Path, spec: EventSpec, **changes: Any
+) -> AsyncIterator[tuple[Simulator, Recorder, EventInfo, Any, AgentSettings]]:
+    """web-7 on a simulator with ``spec``'s event, a recorder of the stream, the approver's
+    signing key, and web-7's agent settings (trusting that key) with ``changes``."""
+    private, public = write_key_pair(tmp_path / "keys")
+    key = load_signing_key(private)
+    async with (
+        simulator_server("web-7") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        event = server.simulator.add_event(spec)
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
+        )
+        yield server.simulator, rec, event, key, replace(settings, **changes)
+
+
 async def _approve_a_short_freeze(
     broker: Broker,
     tmp_path: Path,
@@ -315,30 +338,19 @@ async def _approve_a_short_freeze(
     ``poll_interval``, fast polling as by default unless ``fast_poll_seconds``) reported it,
     with ``post_fault`` injected on its POSTs: the transitions reported, the event's state in
     the simulator and the agent's outcome of the approval."""
-    private, public = write_key_pair(tmp_path / "keys")
-    key = load_signing_key(private)
-    async with (
-        simulator_server("web-7") as server,
-        recorder(broker.url, broker.channels) as rec,
-    ):
-        sim = server.simulator
-        event = sim.add_event(
-            EventSpec(
-                event_type=EventType.FREEZE,
-                resources=["web-7"],
-                not_before_seconds=900,
-                duration_in_seconds=5,
-                run_seconds=run_seconds,
-            )
-        )
-        settings = settings_for(
-            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
-        )
-        settings = replace(settings, poll_interval=poll_interval)
-        if fast_poll_seconds is not None:
-            settings = replace(settings, fast_poll_seconds=fast_poll_seconds)
-        if imds_timeout is not None:
-            settings = replace(settings, imds_timeout=imds_timeout)
+    changes: dict[str, Any] = {"poll_interval": poll_interval}
+    if fast_poll_seconds is not None:
+        changes["fast_poll_seconds"] = fast_poll_seconds
+    if imds_timeout is not None:
+        changes["imds_timeout"] = imds_timeout
+    spec = EventSpec(
+        event_type=EventType.FREEZE,
+        resources=["web-7"],
+        not_before_seconds=900,
+        duration_in_seconds=5,
+        run_seconds=run_seconds,
+    )
+    async with _web7(broker, tmp_path, spec, **changes) as (sim, rec, event, key, settings):
         async with running(settings):
             await rec.wait_kind(MessageType.SCHEDULED, within=15)
             if post_fault is not None:
@@ -425,20 +437,9 @@ async def _requests_around_an_approval(
     The approval is decided before that poll, unless ``changed_after_poll``: then Azure changes
     the event right after the poll (a longer Reboot), and only then does an approver that had
     not seen the change yet decide, on the version before it."""
-    private, public = write_key_pair(tmp_path / "keys")
-    key = load_signing_key(private)
-    async with (
-        simulator_server("web-7") as server,
-        recorder(broker.url, broker.channels) as rec,
-    ):
-        sim = server.simulator
-        event = sim.add_event(
-            EventSpec(event_type=EventType.REBOOT, resources=["web-7"], not_before_seconds=900)
-        )
-        settings = settings_for(
-            server, "web-7", broker.url, broker.channels, tmp_path / "state", trust_keys=(public,)
-        )
-        settings = replace(settings, poll_interval=poll_interval)
+    spec = EventSpec(event_type=EventType.REBOOT, resources=["web-7"], not_before_seconds=900)
+    web7 = _web7(broker, tmp_path, spec, poll_interval=poll_interval)
+    async with web7 as (sim, rec, event, key, settings):
         transport = open_transport(broker.url, broker.channels)
         async with running(settings), transport:
             await rec.wait_kind(MessageType.SCHEDULED, within=15)
