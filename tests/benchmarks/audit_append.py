@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -40,6 +37,7 @@ from schemas import decode
 from schemas.channels import ChannelNames
 from schemas.transport import MemoryTransport
 from schemas.wire import lifecycle_message
+from tests._postgres import scratch_database
 from tests.benchmarks.approver_flood import flood_messages
 
 
@@ -79,27 +77,6 @@ async def _run(url: str, bodies: list[bytes]) -> tuple[int, float, int]:
         return len(bodies), elapsed, stored
 
 
-@contextlib.asynccontextmanager
-async def scratch_database(server: str) -> AsyncIterator[str]:
-    """A PostgreSQL database of its own on ``server``, dropped afterwards."""
-    import asyncpg
-
-    name = f"audit_bench_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(server)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    try:
-        yield urlunsplit(urlsplit(server)._replace(path=f"/{name}"))
-    finally:
-        admin = await asyncpg.connect(server)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
-
-
 async def main_async(args: argparse.Namespace) -> list[dict[str, object]]:
     results: list[dict[str, object]] = []
     bodies = burst(args.messages, "bench-replies")
@@ -107,7 +84,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, object]]:
         with tempfile.TemporaryDirectory(prefix="audit-append-") as scratch:
             runs = [("sqlite", await _run(f"sqlite:///{scratch}/ledger.db", bodies))]
         if args.db:
-            async with scratch_database(args.db) as url:
+            async with scratch_database(args.db, "audit_bench") as url:
                 runs.append(("postgres", await _run(url, bodies)))
         for store, (messages, seconds, stored) in runs:
             rate = messages / seconds

@@ -7,7 +7,6 @@ import asyncio
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -24,6 +23,7 @@ from schemas import ChannelNames
 from schemas.transport import open_transport
 from schemas.transport.rabbitmq import RabbitMQTransport
 from schemas.wire import lifecycle_message
+from tests._postgres import scratch_database
 from tests.consumers._factory import event, heartbeat, transition, vm
 
 from ._stack import write_users
@@ -35,20 +35,8 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 @pytest.fixture
 async def postgres_url(postgres_dsn):
     """A database of this test's own, dropped afterwards."""
-    import asyncpg
-
-    name = f"console_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(postgres_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    yield urlunsplit(urlsplit(postgres_dsn)._replace(path=f"/{name}"))
-    admin = await asyncpg.connect(postgres_dsn)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    async with scratch_database(postgres_dsn, "console") as url:
+        yield url
 
 
 async def test_the_console_on_rabbitmq_and_postgresql(amqp_url, postgres_url, tmp_path):
