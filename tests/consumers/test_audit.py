@@ -207,19 +207,38 @@ async def test_the_audit_keeps_each_message_as_received_newer_minor_versions_inc
     assert service.stream.stats.dead_lettered == 0
 
 
+@pytest.fixture(params=["memory", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
+async def audit_transport(request):
+    """The in-memory transport, or the real RabbitMQ with names of this test's own."""
+    import uuid
+
+    from schemas.channels import ChannelNames
+    from schemas.transport import MemoryTransport, open_transport
+
+    if request.param == "memory":
+        async with MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport:
+            yield transport
+        return
+    channels = ChannelNames().suffixed(request.getfixturevalue("unique"))
+    async with open_transport(request.getfixturevalue("amqp_url"), channels) as transport:
+        try:
+            yield transport
+        finally:
+            await transport.delete_topology(groups=["audit"], exchanges=True)
+
+
 async def test_a_message_contradicting_the_ledger_is_dead_lettered_and_its_burst_recorded(
-    ledger_url,
+    ledger_url, audit_transport
 ):
     """The ledger recorded a message in an earlier run of the audit (no dedupe window remembers
     it now). A message under its id with other content is dead-lettered (``id-conflict``) and
     never recorded, wherever it falls in a burst; an exact copy is acked and recorded once; the
     messages around them are all recorded, the original's bytes unchanged."""
     import dataclasses
-    import uuid
 
     from consumers._audit_service import AuditService
     from consumers._stream import DeadLetterReason
-    from schemas.transport import DEAD_LETTER_REASON, MemoryTransport
+    from schemas.transport import DEAD_LETTER_REASON
     from schemas.wire import lifecycle_message
 
     messages = scenario()
@@ -229,10 +248,8 @@ async def test_a_message_contradicting_the_ledger_is_dead_lettered_and_its_burst
     forged = dataclasses.replace(
         lifecycle_message(original), body=json.dumps(altered).encode(), message_id=original.id
     )
-    async with (
-        MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport,
-        open_ledger(ledger_url) as ledger,
-    ):
+    transport = audit_transport
+    async with open_ledger(ledger_url) as ledger:
         assert await ledger.append(original) is Appended.NEW
         await transport.declare_group("audit")
         await transport.publish(lifecycle_message(messages[0]))
