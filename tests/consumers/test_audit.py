@@ -219,8 +219,11 @@ async def audit_transport(request):
         async with MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport:
             yield transport
         return
+    from schemas.transport.rabbitmq import RabbitMQTransport
+
     channels = ChannelNames().suffixed(request.getfixturevalue("unique"))
     async with open_transport(request.getfixturevalue("amqp_url"), channels) as transport:
+        assert isinstance(transport, RabbitMQTransport)
         try:
             yield transport
         finally:
