@@ -39,7 +39,7 @@ from schemas.approvals import write_key_pair
 from schemas.transport import Transport, broker_kind, open_transport, redact
 
 from ._approver import ApproverService, Decision
-from ._audit import open_ledger
+from ._audit import Ledger, open_ledger
 from ._audit_service import AuditService
 from ._db import Database
 from ._policies import Action, PolicySet
@@ -65,6 +65,12 @@ class _Step:
     cancel_at: float | None = None
 
 
+#: How long each event runs, in the demo's time: 1.5 s of real time at 60x. An agent may ask
+#: IMDS twice a second (and, right after its own POST, not again for a second), so a shorter
+#: run could start and end between two of its polls, and an agent that did not start the
+#: event itself would have to call it canceled.
+RUN_SECONDS = 90
+
 SCENARIO = (
     _Step(
         "user reboot",
@@ -74,7 +80,7 @@ SCENARIO = (
             resources=("web-01",),
             event_source=SimEventSource.USER,
             not_before_seconds=900,
-            run_seconds=60,
+            run_seconds=RUN_SECONDS,
             description="Virtual machine is going to be restarted as requested by authorized user.",
         ),
         approved=True,
@@ -88,7 +94,7 @@ SCENARIO = (
             resources=("web-01", "web-02"),
             not_before_seconds=900,
             duration_in_seconds=5,
-            run_seconds=30,
+            run_seconds=RUN_SECONDS,
             description="Virtual machine is being paused because of a memory-preserving Live "
             "Migration operation.",
         ),
@@ -102,7 +108,7 @@ SCENARIO = (
             event_type=EventType.PREEMPT,
             resources=("spot-01",),
             not_before_seconds=30,
-            run_seconds=30,
+            run_seconds=RUN_SECONDS,
         ),
         approved=False,
         end=SimEventState.COMPLETED,
@@ -255,7 +261,7 @@ async def run_demo(
                     say(f"{len(agents)} agents online; playing the scenario")
                     try:
                         ok = await _play(simulator, say)
-                        await _settle(audit, simulator, len(SCENARIO))
+                        await _settle(ledger, simulator, len(SCENARIO))
                         if console_url is not None:
                             await _until_interrupted(
                                 f"scenario over; the console stays up at {console_url}/ with "
@@ -272,7 +278,11 @@ async def run_demo(
                         audit.stop()
                         timeline.stop()
                         del services
-                ok = _summary(simulator, decisions, audit, await ledger.count()) and ok
+                ends = {
+                    info.event_id: await _reported_ends(ledger, info.event_id)
+                    for info in simulator.events()
+                }
+                ok = _summary(simulator, decisions, ends, await ledger.count()) and ok
             finally:
                 if networked:
                     await _cleanup(approver_link)
@@ -308,8 +318,9 @@ async def _play(simulator: Simulator, say: _Printer) -> bool:
     return True
 
 
-async def _settle(audit: AuditService, simulator: Simulator, events: int) -> None:
-    """Give the agents time to see the last event go, and the audit to record it."""
+async def _settle(ledger: Ledger, simulator: Simulator, events: int) -> None:
+    """Give the agents time to see the last event go, and the audit to record it: until every
+    VM of every event has an end recorded (or 10 s)."""
     deadline = asyncio.get_running_loop().time() + 10
     while asyncio.get_running_loop().time() < deadline:
         done = [
@@ -317,14 +328,30 @@ async def _settle(audit: AuditService, simulator: Simulator, events: int) -> Non
             for e in simulator.events()
             if e.state in (SimEventState.COMPLETED, SimEventState.CANCELED)
         ]
-        recorded = audit.appended
-        await asyncio.sleep(0.5)
-        if len(done) >= events and audit.appended == recorded:
-            return
+        if len(done) >= events:
+            ends = [await _reported_ends(ledger, e.event_id) for e in done]
+            if all(
+                {vm.casefold() for vm in e.resources} <= end.keys()
+                for e, end in zip(done, ends, strict=True)
+            ):
+                return
+        await asyncio.sleep(0.2)
+
+
+async def _reported_ends(ledger: Ledger, event_id: str) -> dict[str, str]:
+    """How each VM's agent reported the end of an event (``completed`` or ``canceled``)."""
+    return {
+        entry.vm.casefold(): entry.kind
+        for entry in await ledger.history(event_id=event_id)
+        if entry.record == "message" and entry.kind in ("completed", "canceled")
+    }
 
 
 def _summary(
-    simulator: Simulator, decisions: list[Decision], audit: AuditService, recorded: int
+    simulator: Simulator,
+    decisions: list[Decision],
+    ends: dict[str, dict[str, str]],
+    recorded: int,
 ) -> bool:
     print("\nsummary")
     ok = True
@@ -343,11 +370,20 @@ def _summary(
             if approved
             else "not approved: NotBefore applied"
         )
-        good = bool(approved) == step.approved and info.state is step.end
+        # Every VM of the event reported the end it had: an agent that missed a short event's
+        # start must not call it canceled.
+        reported = ends.get(info.event_id, {})
+        wrong = [
+            f"{vm} reported {reported.get(vm.casefold(), 'no end')}"
+            for vm in info.resources
+            if reported.get(vm.casefold()) != info.state.value.lower()
+        ]
+        good = bool(approved) == step.approved and info.state is step.end and not wrong
         ok = ok and good
         print(
             f"  {'ok ' if good else 'BAD'} {step.label:<18} {info.event_type:<9} "
             f"{','.join(info.resources):<15} {info.state.value:<9} {by}"
+            + (f" ({'; '.join(wrong)})" if wrong else "")
         )
     print(f"  audit ledger: {recorded} messages recorded; approver decisions: {len(decisions)}")
     print("demo " + ("passed: every event ended as expected" if ok else "FAILED"))
