@@ -303,9 +303,10 @@ def _row(message: LifecycleMessage | NewerMessage, sender: str | None) -> tuple[
         event_type = _event_type(message.data)
         body = raw.decode()
     else:
-        raw = message.received_bytes or message.to_bytes()
+        serialized = message.to_bytes()
+        raw = message.received_bytes or serialized
         kind, vm, event_type = message.kind.value, message.vm.name, message.event_type
-        body = message.to_bytes().decode()
+        body = serialized.decode()
     return (
         message.id,
         message.time,
