@@ -30,7 +30,8 @@ is flushed when it is full, when the stream has nothing more to read (``ack_inte
 last message handled), or when its first message has waited ``ack_max_delay`` behind a backlog;
 so under a burst each commit serves a full batch, and a lone message is committed at once. When
 it fails, they are neither acked nor remembered: the subscription is opened again and the broker
-delivers them once more. A stop lets a commit under way finish and ack its batch.
+delivers them once more. A stop lets a commit under way finish and ack its batch, for at most
+``stop_grace`` seconds (a database that stopped answering does not hold the stop for ever).
 
 A consumer group scales out by running more processes on the same group name: the broker shares
 the group's queue between them (``exclusive=True``: one active consumer at a time, in order).
@@ -184,7 +185,8 @@ class FleetStream:
     message before it is dead-lettered (``handler-failed``). ``dedupe``: the window of ids
     already handled. ``transient``: read a copy of the stream that exists only while this stream
     is open (see :meth:`~schemas.transport.Transport.subscribe`). ``before_ack``: awaited
-    before handled messages are acked (see the module docstring).
+    before handled messages are acked (see the module docstring). ``stop_grace``: how long a
+    stop waits for that commit.
     """
 
     def __init__(
@@ -206,6 +208,7 @@ class FleetStream:
         verifier: OriginVerifier | None = None,
         newer: Handler | None = None,
         before_ack: Callable[[], Awaitable[None]] | None = None,
+        stop_grace: float = 10.0,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -223,6 +226,7 @@ class FleetStream:
         self.verifier = verifier
         self.newer = newer
         self.before_ack = before_ack
+        self.stop_grace = stop_grace
         # Where the transport can ack many deliveries in one frame (or before_ack commits),
         # handled messages are acked in batches of up to ack_batch: ack_interval seconds after
         # the stream ran out of messages to read, or ack_max_delay after the batch's first.
@@ -238,6 +242,8 @@ class FleetStream:
         #: One flush at a time: an ack through a later delivery must not overtake a batch
         #: still waiting for before_ack.
         self._flushing = asyncio.Lock()
+        #: The flusher's flush, which a stop lets finish (within ``stop_grace``).
+        self._background_flush: asyncio.Future[None] | None = None
         self._routes: list[_Route] = []
         self._subscription: Subscription | None = None
         self._iterator: AsyncIterator[Delivery] | None = None
@@ -305,12 +311,23 @@ class FleetStream:
         """Stop. The message the iteration returned last is acked when ``handled``, otherwise
         it goes back to the queue; unsettled deliveries return to the broker."""
         current, self._current = self._current, None
-        if current is not None:
-            if handled:
-                await self._handled(*current)
-            else:
-                await self._settle(current[0].retry(), current[0])
-        await self._flush()
+        try:
+            async with asyncio.timeout(self.stop_grace):
+                if current is not None:
+                    if handled:
+                        await self._handled(*current)
+                    else:
+                        await self._settle(current[0].retry(), current[0])
+                await self._flush()
+        except TimeoutError:
+            log.warning(
+                "group %s: the commit before the last acks took more than %g s: stopping "
+                "without it; the broker delivers its messages again",
+                self.group,
+                self.stop_grace,
+            )
+            if self._background_flush is not None:
+                self._background_flush.cancel()
         await self._drop_subscription()
 
     async def _drop_subscription(self) -> None:
@@ -670,7 +687,8 @@ class FleetStream:
             if self._waiting or self._overdue():
                 # Shielded: a stop, which cancels this task, lets a commit under way finish and
                 # ack its batch (close() waits for it) instead of cutting it off half done.
-                await asyncio.shield(self._flush())
+                flush = self._background_flush = asyncio.ensure_future(self._flush())
+                await asyncio.shield(flush)
 
     def _overdue(self) -> bool:
         """Whether the first message of the batch waiting for its ack waited ``ack_max_delay``."""

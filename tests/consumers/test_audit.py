@@ -312,3 +312,35 @@ async def test_a_stop_during_a_commit_lets_it_finish_and_acks_its_batch(tmp_path
         left = transport.broker.depth("audit")
     assert stored == len(messages)
     assert left == 0
+
+
+async def test_a_stop_waits_for_a_hung_commit_only_so_long(tmp_path):
+    """The database stops answering during a commit and the audit is stopped: the stop waits
+    for the commit ``stop_grace`` seconds, then ends without it, and the batch goes back to the
+    queue unacked for the next start. Before, the stop waited for ever."""
+    import uuid
+
+    from consumers._audit_service import AuditService
+    from schemas.transport import MemoryTransport
+    from schemas.wire import lifecycle_message
+
+    class HungDatabase(AuditService):
+        async def commit(self) -> None:
+            self.stop()
+            await asyncio.Event().wait()  # the database never answers
+
+    messages = scenario()
+    async with (
+        MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport,
+        open_ledger(f"sqlite:///{tmp_path / 'audit.db'}") as ledger,
+    ):
+        await transport.declare_group("audit")
+        for message in messages:
+            await transport.publish(lifecycle_message(message))
+        service = HungDatabase(transport, ledger)
+        service.stream.stop_grace = 0.5
+        await asyncio.wait_for(service.run(), 10)
+        stored = await ledger.count()
+        left = transport.broker.depth("audit")
+    assert stored == 0
+    assert left == len(messages)
