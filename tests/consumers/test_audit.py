@@ -282,21 +282,18 @@ async def test_a_message_contradicting_the_ledger_is_dead_lettered_and_its_burst
     assert service.appended == len(messages) - 1
 
 
-async def test_a_stop_during_a_commit_lets_it_finish_and_acks_its_batch(tmp_path):
-    """The audit is stopped while it commits what it handled (the stop comes from inside the
-    commit here, so it is always under way): the commit finishes, the batch is acked, and
-    nothing is left for the next start to handle again. Before, the stop cancelled the
-    commit half done; its messages went back to the queue unacked."""
+async def _stop_while_committing(tmp_path, commit, *, stop_grace: float = 10.0):
+    """The audit over the scenario's messages on the in-memory transport, its commit replaced
+    by ``commit(service)``, run until it stops: (messages, rows stored, messages left queued)."""
     import uuid
 
     from consumers._audit_service import AuditService
     from schemas.transport import MemoryTransport
     from schemas.wire import lifecycle_message
 
-    class StoppedWhileCommitting(AuditService):
+    class Audit(AuditService):
         async def commit(self) -> None:
-            self.stop()
-            await super().commit()
+            await commit(self)
 
     messages = scenario()
     async with (
@@ -306,10 +303,24 @@ async def test_a_stop_during_a_commit_lets_it_finish_and_acks_its_batch(tmp_path
         await transport.declare_group("audit")
         for message in messages:
             await transport.publish(lifecycle_message(message))
-        service = StoppedWhileCommitting(transport, ledger)
+        service = Audit(transport, ledger)
+        service.stream.stop_grace = stop_grace
         await asyncio.wait_for(service.run(), 10)
-        stored = await ledger.count()
-        left = transport.broker.depth("audit")
+        return messages, await ledger.count(), transport.broker.depth("audit")
+
+
+async def test_a_stop_during_a_commit_lets_it_finish_and_acks_its_batch(tmp_path):
+    """The audit is stopped while it commits what it handled (the stop comes from inside the
+    commit here, so it is always under way): the commit finishes, the batch is acked, and
+    nothing is left for the next start to handle again. Before, the stop cancelled the
+    commit half done; its messages went back to the queue unacked."""
+    from consumers._audit_service import AuditService
+
+    async def stopped_while_committing(service):
+        service.stop()
+        await AuditService.commit(service)
+
+    messages, stored, left = await _stop_while_committing(tmp_path, stopped_while_committing)
     assert stored == len(messages)
     assert left == 0
 
@@ -318,29 +329,11 @@ async def test_a_stop_waits_for_a_hung_commit_only_so_long(tmp_path):
     """The database stops answering during a commit and the audit is stopped: the stop waits
     for the commit ``stop_grace`` seconds, then ends without it, and the batch goes back to the
     queue unacked for the next start. Before, the stop waited for ever."""
-    import uuid
 
-    from consumers._audit_service import AuditService
-    from schemas.transport import MemoryTransport
-    from schemas.wire import lifecycle_message
+    async def hung(service):
+        service.stop()
+        await asyncio.Event().wait()  # the database never answers
 
-    class HungDatabase(AuditService):
-        async def commit(self) -> None:
-            self.stop()
-            await asyncio.Event().wait()  # the database never answers
-
-    messages = scenario()
-    async with (
-        MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport,
-        open_ledger(f"sqlite:///{tmp_path / 'audit.db'}") as ledger,
-    ):
-        await transport.declare_group("audit")
-        for message in messages:
-            await transport.publish(lifecycle_message(message))
-        service = HungDatabase(transport, ledger)
-        service.stream.stop_grace = 0.5
-        await asyncio.wait_for(service.run(), 10)
-        stored = await ledger.count()
-        left = transport.broker.depth("audit")
+    messages, stored, left = await _stop_while_committing(tmp_path, hung, stop_grace=0.5)
     assert stored == 0
     assert left == len(messages)
