@@ -65,11 +65,11 @@ class _Step:
     cancel_at: float | None = None
 
 
-#: How long each event runs, in the demo's time: 1.5 s of real time at 60x. An agent may ask
-#: IMDS twice a second (and, right after its own POST, not again for a second), so a shorter
-#: run could start and end between two of its polls, and an agent that did not start the
-#: event itself would have to call it canceled.
-RUN_SECONDS = 90
+#: How long each event runs, in real seconds whatever ``--speed`` (``_play`` sets its
+#: ``run_seconds``). An agent may ask IMDS twice a second (and, right after its own POST, not
+#: again for a second), so a shorter run could start and end between two of its polls, and an
+#: agent that did not start the event itself would have to call it canceled.
+RUN_REAL_SECONDS = 1.5
 
 SCENARIO = (
     _Step(
@@ -80,7 +80,6 @@ SCENARIO = (
             resources=("web-01",),
             event_source=SimEventSource.USER,
             not_before_seconds=900,
-            run_seconds=RUN_SECONDS,
             description="Virtual machine is going to be restarted as requested by authorized user.",
         ),
         approved=True,
@@ -94,7 +93,6 @@ SCENARIO = (
             resources=("web-01", "web-02"),
             not_before_seconds=900,
             duration_in_seconds=5,
-            run_seconds=RUN_SECONDS,
             description="Virtual machine is being paused because of a memory-preserving Live "
             "Migration operation.",
         ),
@@ -108,7 +106,6 @@ SCENARIO = (
             event_type=EventType.PREEMPT,
             resources=("spot-01",),
             not_before_seconds=30,
-            run_seconds=RUN_SECONDS,
         ),
         approved=False,
         end=SimEventState.COMPLETED,
@@ -304,7 +301,8 @@ async def _play(simulator: Simulator, say: _Printer) -> bool:
         if delay > 0:
             await asyncio.sleep(delay)
         if action == "create":
-            info = simulator.add_event(step.spec)
+            run = RUN_REAL_SECONDS * simulator.config.speed
+            info = simulator.add_event(step.spec.model_copy(update={"run_seconds": run}))
             ids[step.label] = info.event_id
             say(
                 f"AZURE     {step.label}: {info.event_type} of {', '.join(info.resources)} "
