@@ -21,7 +21,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 
 from schemas import (
     AgentMessage,
@@ -50,7 +50,8 @@ class PendingApproval:
 
 @dataclass(frozen=True, slots=True)
 class PlannedDecision:
-    """A decision to record with the message that led to it."""
+    """A decision for the ledger: the approver's (with the message that led to it) or an
+    operator's hold or release (with the change of the holds)."""
 
     event_id: str
     event_type: str | None
@@ -58,7 +59,7 @@ class PlannedDecision:
     reason: str
     policy: str
     decided_by: str
-    event_version: str
+    event_version: str | None
     at: datetime
     target: str | None = None
     approval_id: str | None = None
@@ -170,11 +171,7 @@ class ApproverState:
         Rows go in a few multi-row statements, whatever the number of messages."""
         async with self.db.transaction() as tx:
             await self._store_messages(tx, messages)
-            await _insert(
-                tx,
-                "INSERT INTO ledger_decisions (time, event_id, event_type, target, body)",
-                [(d.at, d.event_id, d.event_type, d.target, _decision_body(d)) for d in decisions],
-            )
+            await _insert_decisions(tx, decisions)
             await _insert(
                 tx,
                 "INSERT INTO approver_approvals (grp, approval_id, event_id, event_version, "
@@ -252,21 +249,32 @@ class ApproverState:
         rows = await self.db.fetch("SELECT event_id, held_by, reason, at FROM approver_holds")
         return {row[0]: Hold(row[0], row[1], row[2], as_time(row[3])) for row in rows}
 
-    async def hold(self, event_id: str, *, held_by: str, reason: str) -> None:
-        await self.db.execute(
-            "INSERT INTO approver_holds (event_id, held_by, reason, at) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (event_id) DO UPDATE SET held_by = excluded.held_by, "
-            "reason = excluded.reason, at = excluded.at",
-            event_id,
-            held_by,
-            reason,
-            datetime.now(UTC),
-        )
+    async def hold(self, record: PlannedDecision) -> None:
+        """An operator's hold of ``record.event_id``, and ``record`` (the operator's decision,
+        ``hold``) in the ledger, in one transaction: the approver, which reads only the holds,
+        never acts on a hold the audit does not show."""
+        async with self.db.transaction() as tx:
+            await tx.execute(
+                "INSERT INTO approver_holds (event_id, held_by, reason, at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (event_id) DO UPDATE SET held_by = excluded.held_by, "
+                "reason = excluded.reason, at = excluded.at",
+                record.event_id,
+                record.decided_by,
+                record.reason,
+                record.at,
+            )
+            await _insert_decisions(tx, [record])
 
-    async def release(self, event_id: str) -> bool:
-        return bool(
-            await self.db.execute("DELETE FROM approver_holds WHERE event_id = ?", event_id)
-        )
+    async def release(self, record: PlannedDecision) -> bool:
+        """Release the hold of ``record.event_id`` and put ``record`` (``release``) in the
+        ledger, in one transaction; False, recording nothing, when it was not held."""
+        async with self.db.transaction() as tx:
+            if not await tx.execute(
+                "DELETE FROM approver_holds WHERE event_id = ?", record.event_id
+            ):
+                return False
+            await _insert_decisions(tx, [record])
+        return True
 
 
 #: Rows per multi-row statement (far under either database's limit on parameters).
@@ -282,6 +290,14 @@ async def _insert(
         row = "(" + ", ".join("?" * len(chunk[0])) + ")"
         values = ", ".join([row] * len(chunk))
         await tx.execute(f"{head} VALUES {values} {tail}", *[v for r in chunk for v in r])
+
+
+async def _insert_decisions(tx: Executor, decisions: Sequence[PlannedDecision]) -> None:
+    await _insert(
+        tx,
+        "INSERT INTO ledger_decisions (time, event_id, event_type, target, body)",
+        [(d.at, d.event_id, d.event_type, d.target, _decision_body(d)) for d in decisions],
+    )
 
 
 async def _where_in(tx: Executor, head: str, first: object, keys: Sequence[str]) -> None:

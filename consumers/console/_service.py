@@ -32,7 +32,7 @@ from schemas.origin import OriginVerifier
 from schemas.transport import Transport
 
 from .._approvals import ApprovalSender, NoApprovalTarget
-from .._approver_state import ApproverState
+from .._approver_state import ApproverState, PlannedDecision
 from .._audit import Ledger, LedgerEntry
 from .._db import Database, as_time, placeholders
 from .._fleet import EventPhase, EventState, FleetView, SentApproval
@@ -300,15 +300,8 @@ class ConsoleService:
             raise ActionRefused(409, f"the event is {state.phase.value}: nothing to hold")
         operator = session.operator_name
         why = reason.strip() or "held from the console"
-        await self.state.hold(event_id, held_by=operator, reason=why)
-        await self.ledger.append_decision(
-            event_id,
-            "hold",
-            why,
-            decided_by=operator,
-            policy=CONSOLE_POLICY,
-            event_type=state.event_type,
-            event_version=state.version,
+        await self.state.hold(
+            _operator_record(event_id, "hold", why, operator, state.event_type, state.version)
         )
         self.live.set_holds(await self.state.holds())
         log.info("console: %s holds %s (%s): %s", operator, event_id, state.event_type, why)
@@ -321,19 +314,18 @@ class ConsoleService:
 
     async def release(self, session: Session, event_id: str, *, reason: str) -> ActionResult:
         operator = session.operator_name
-        if not await self.state.release(event_id):
-            raise ActionRefused(409, f"event {event_id} is not held")
         state = self.live.fleet.event(event_id)
         why = reason.strip() or "released from the console"
-        await self.ledger.append_decision(
+        record = _operator_record(
             event_id,
             "release",
             why,
-            decided_by=operator,
-            policy=CONSOLE_POLICY,
-            event_type=None if state is None else state.event_type,
-            event_version=None if state is None else state.version,
+            operator,
+            None if state is None else state.event_type,
+            None if state is None else state.version,
         )
+        if not await self.state.release(record):
+            raise ActionRefused(409, f"event {event_id} is not held")
         self.live.set_holds(await self.state.holds())
         log.info("console: %s released %s: %s", operator, event_id, why)
         return ActionResult(f"{event_id} is released: the approver decides on it again")
@@ -378,3 +370,24 @@ async def running(console: ConsoleService) -> AsyncIterator[ConsoleService]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _operator_record(
+    event_id: str,
+    action: str,
+    reason: str,
+    operator: str,
+    event_type: str | None,
+    event_version: str | None,
+) -> PlannedDecision:
+    """An operator's hold or release, for the ledger (stored with the change of the holds)."""
+    return PlannedDecision(
+        event_id=event_id,
+        event_type=event_type,
+        action=action,
+        reason=reason,
+        policy=CONSOLE_POLICY,
+        decided_by=operator,
+        event_version=event_version,
+        at=datetime.now(UTC),
+    )

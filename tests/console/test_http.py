@@ -324,6 +324,42 @@ async def test_hold_and_release_go_to_the_approver_and_the_audit(tmp_path):
         assert "db migration [console]" in timeline["lines"][0]
 
 
+async def test_a_hold_or_release_the_ledger_cannot_record_does_not_take_effect(tmp_path):
+    """The approver acts on the holds table alone: a hold or release that took effect without
+    its record would leave an approval the audit cannot explain (an ``approve`` before the
+    ``release`` that allowed it, or none at all). Both go in one transaction, or neither."""
+    async with console(tmp_path) as c, c.client() as client:
+        _ev, identity, message = scheduled("EVT-ATOMIC")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-ATOMIC")
+        headers = {"X-CSRF-Token": await signed_in(client, "alice")}
+        state = ApproverState(c.db, "approver")
+        refuse = (
+            "CREATE TRIGGER refuse_records BEFORE INSERT ON ledger_decisions "
+            "BEGIN SELECT RAISE(ABORT, 'the ledger is full'); END"
+        )
+
+        await c.db.execute(refuse)
+        held = await client.post("/api/events/EVT-ATOMIC/hold", json={}, headers=headers)
+        assert held.status_code == 500
+        assert await state.holds() == {}  # not held: nothing says it was
+
+        await c.db.execute("DROP TRIGGER refuse_records")
+        held = await client.post("/api/events/EVT-ATOMIC/hold", json={}, headers=headers)
+        assert held.status_code == 200, held.text
+        await c.db.execute(refuse)
+        released = await client.post("/api/events/EVT-ATOMIC/release", json={}, headers=headers)
+        assert released.status_code == 500
+        assert list(await state.holds()) == ["EVT-ATOMIC"]  # still held: nothing says otherwise
+
+        await c.db.execute("DROP TRIGGER refuse_records")
+        released = await client.post("/api/events/EVT-ATOMIC/release", json={}, headers=headers)
+        assert released.status_code == 200, released.text
+        assert await state.holds() == {}
+        entries = await Ledger(c.db).history(event_id="EVT-ATOMIC")
+        assert [e.kind for e in entries] == ["decision.hold", "decision.release"]
+
+
 async def test_a_viewer_reads_but_cannot_act(tmp_path):
     async with console(tmp_path) as c, c.client() as client:
         ev, identity, message = scheduled("EVT-VIEW")
