@@ -188,6 +188,8 @@ _COMMITS: list[float] = []
 _PUBLISHES: list[tuple[float, float, float]] = []
 #: (issued, handling began, fresh document, POST done) of each approval applied.
 _APPROVALS: list[tuple[float, float, float, float]] = []
+#: How long each IMDS request waited for the VM's request budget, by method.
+_LIMITER_WAITS: dict[str, list[float]] = {"GET": [], "POST": []}
 
 
 def _trace_publishes(transport: Any) -> None:
@@ -227,6 +229,28 @@ def _trace_approvals() -> None:
     ApprovalHandler._apply = traced_apply  # type: ignore[method-assign]
 
 
+def _trace_limiter() -> None:
+    import contextvars
+
+    from publisher._imds import ImdsClient
+    from publisher._poller import RequestLimiter
+
+    method_of: contextvars.ContextVar[str] = contextvars.ContextVar("method", default="other")
+    request, acquire = ImdsClient._request, RequestLimiter.acquire
+
+    async def traced_request(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        method_of.set(method)  # the task's own context: requests of other tasks keep theirs
+        return await request(self, method, *args, **kwargs)
+
+    async def traced_acquire(self: Any) -> None:
+        began = time.monotonic()
+        await acquire(self)
+        _LIMITER_WAITS.setdefault(method_of.get(), []).append(time.monotonic() - began)
+
+    ImdsClient._request = traced_request  # type: ignore[method-assign]
+    RequestLimiter.acquire = traced_acquire  # type: ignore[method-assign]
+
+
 def _trace(what: str, values: list[float], unit: str = "s") -> None:
     """One FLEET_TRACE line on stderr: the p50, p90, p99 and max of ``values`` (none: nothing)."""
     if not values:
@@ -246,6 +270,8 @@ def _trace_report() -> None:
     _trace("approval issued -> handled", [b - i for i, b, _, _ in _APPROVALS])
     _trace("handled -> fresh IMDS document", [f - b for _, b, f, _ in _APPROVALS])
     _trace("fresh document -> POST done", [p - f for _, _, f, p in _APPROVALS])
+    for method, waits in _LIMITER_WAITS.items():
+        _trace(f"IMDS {method}: wait for the VM's request budget", waits)
 
 
 async def run_agents(spec: dict[str, Any]) -> None:
@@ -269,6 +295,7 @@ async def run_agents(spec: dict[str, Any]) -> None:
                 _trace_publishes(transport)
     if os.environ.get("FLEET_TRACE"):
         _trace_approvals()
+        _trace_limiter()
     # On its VM an agent has a thread of its own for its SQLite. Here a thousand agents share a
     # process: a thread each fight the event loop for the GIL when a burst makes them all commit
     # at once, and one shared thread made each operation wait behind up to 1,100 others (the
