@@ -153,6 +153,9 @@ async def run_sim(spec: dict[str, Any]) -> None:
                 }
                 busiest = max((s.max_per_second for s in sim.all_request_stats()), default=0)
                 _say(events=events, posts=posts, busiest_vm_per_second=busiest)
+            elif op == "requests":
+                stats = sim.all_request_stats()
+                _say(**{m: sum(s.count(method=m) for s in stats) for m in ("GET", "POST")})
             elif op == "reset-stats":
                 sim.reset_request_stats()
                 _say(reset=True)

@@ -157,6 +157,8 @@ class Result:
     startup_seconds: float = 0.0
     imds_errors: dict[str, int] = field(default_factory=dict)
     busiest_vm_per_second: int = 0
+    #: IMDS requests by method from the burst to the end (every VM's, the simulator's count).
+    imds_requests: dict[str, int] = field(default_factory=dict)
     cpu_percent: dict[str, float] = field(default_factory=dict)
     runqueue_percent: dict[str, float] = field(default_factory=dict)
     dead_lettered: int = 0
@@ -462,6 +464,9 @@ async def _run(
             break
     result.finished_in = round(time.time() - burst_at, 1)
     result.cpu_percent, result.runqueue_percent = cpu.stop()
+    for shard in shards:
+        for method, count in (await shard.ask({"op": "requests"}, timeout=60)).items():
+            result.imds_requests[method] = result.imds_requests.get(method, 0) + count
 
     # ---- reports
     agent_reports = [await proc.ask({"op": "stop"}, timeout=120) for proc in agents]
@@ -645,6 +650,11 @@ def table(result: Result) -> str:
         ),
         f"IMDS errors {result.imds_errors}; busiest VM {result.busiest_vm_per_second} requests"
         " in one second",
+        "IMDS requests from the burst to the end: "
+        + ", ".join(
+            f"{count} {method}s ({count / max(result.finished_in, 0.1):.0f}/s)"
+            for method, count in result.imds_requests.items()
+        ),
         "CPU (% of one core) from the burst to the end: "
         + ", ".join(f"{k} {v}" for k, v in result.cpu_percent.items()),
         "waiting for a CPU while runnable (% of one core, all threads), same span: "
