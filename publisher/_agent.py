@@ -71,6 +71,9 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
 
 #: How long the approvals consumer stays open after the last approvable event went.
 _LISTEN_LINGER = 30.0
+#: How long a stopping task may take to end after its cancel before it is warned about: a
+#: broker exchange it finishes first (a channel's close) has a timeout of 5 s.
+_STOP_PATIENCE = 6.0
 
 
 def _scope(settings: AgentSettings, vm: str) -> str:
@@ -537,14 +540,31 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+async def _cancel_all(tasks: list[asyncio.Task[Any]], *, patience: float = _STOP_PATIENCE) -> None:
     """Cancel the tasks and wait for them; one that swallows its cancel (a library that turns
     it into another error, which a retry loop then takes for a lost link) is cancelled again
-    each second, and named, so a stop never hangs on it."""
+    each second, and named, so a stop never hangs on it. Within ``patience`` a task still
+    running is most likely finishing an exchange with the broker that a cancel must not cut
+    (closing its channel: :func:`~schemas.transport._amqp_errors.uninterrupted`, bounded by its
+    own timeouts), so it is said at INFO; after, as a warning."""
     pending = {task for task in tasks if not task.done()}
+    began = time.monotonic()
     while pending:
         for task in pending:
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=1.0)
+        waited = time.monotonic() - began
         for task in pending:
-            log.warning("%s did not stop when cancelled: cancelling it again", task.get_name())
+            if waited < patience:
+                log.info(
+                    "%s still stopping %.0f s after its cancel (finishing an exchange with the "
+                    "broker?): cancelling it again",
+                    task.get_name(),
+                    waited,
+                )
+            else:
+                log.warning(
+                    "%s did not stop %.0f s after its cancel: cancelling it again",
+                    task.get_name(),
+                    waited,
+                )

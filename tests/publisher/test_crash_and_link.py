@@ -4,6 +4,7 @@ and the broker link cut and restored by a TCP proxy. Real RabbitMQ, simulator ov
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from publisher._agent import _cancel_all
 from publisher.simulator import EventSpec, EventStatus, EventType
 from schemas import MessageType
 from tests.transport.proxy import TcpProxy
@@ -193,3 +195,43 @@ async def test_a_cut_broker_link_loses_nothing_and_publishing_resumes_quickly(
         assert resumed < 1.0, f"publishing resumed {resumed:.2f} s after the link came back"
     finally:
         await delete_rabbitmq_entities(amqp_url, channels, ["web-7"])
+
+
+async def test_a_stop_names_a_task_that_ignores_its_cancel_and_not_one_still_finishing(caplog):
+    """At a stop each task is cancelled, then cancelled again each second until it ends. One
+    finishing an exchange with the broker (a channel's close, bounded by its own timeout) is
+    still stopping: said at INFO. Only one still there after ``patience`` is a warning: a fleet
+    of agents stopping at once on a busy broker logged a false "did not stop" for each."""
+
+    async def finishing(cancels_taken: int) -> None:
+        taken = 0
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                taken += 1
+                if taken > cancels_taken:
+                    raise
+
+    caplog.set_level(logging.INFO, logger="publisher._agent")
+    quick = asyncio.create_task(finishing(1), name="agent-quick")
+    await asyncio.sleep(0)  # under way
+    await _cancel_all([quick])
+    assert quick.cancelled()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [
+        (
+            logging.INFO,
+            "agent-quick still stopping 1 s after its cancel (finishing an exchange with the "
+            "broker?): cancelling it again",
+        )
+    ]
+
+    caplog.clear()
+    stuck = asyncio.create_task(finishing(2), name="agent-stuck")
+    await asyncio.sleep(0)
+    await _cancel_all([stuck], patience=1.5)
+    assert stuck.cancelled()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == [logging.INFO, logging.WARNING]
+    assert said[1][1] == "agent-stuck did not stop 2 s after its cancel: cancelling it again"
