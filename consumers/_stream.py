@@ -81,6 +81,8 @@ H = TypeVar("H", bound=Handler)
 
 #: Longest pause before the subscription is opened again after a broker failure.
 _REOPEN_CAP = 5.0
+#: Unknown message types warned about one by one; past them, one warning says the rest are not.
+_WARNED_TYPES = 20
 
 
 class DeadLetterReason(StrEnum):
@@ -180,9 +182,11 @@ class FleetStream:
     choice; the services always pass one). ``newer``: a handler for
     well-formed messages of a type this version does not know in a major version it reads (a
     newer minor added it) — the audit records them; without one they are acked and skipped with
-    a warning (minor versions only add, so an agent upgraded first must not fill every older
-    consumer's dead-letter queue). ``max_attempts``: how many times a handler may fail on one
-    message before it is dead-lettered (``handler-failed``). ``dedupe``: the window of ids
+    a warning for each of the first 20 types (minor versions only add, so an agent upgraded
+    first must not fill every older consumer's dead-letter queue; a sender inventing types
+    must not fill the log). A type name no version writes is dead-lettered ``unknown-type``.
+    ``max_attempts``: how many times a handler may fail on one message before it is
+    dead-lettered (``handler-failed``). ``dedupe``: the window of ids
     already handled. ``transient``: read a copy of the stream that exists only while this stream
     is open (see :meth:`~schemas.transport.Transport.subscribe`). ``before_ack``: awaited
     before handled messages are acked (see the module docstring). ``stop_grace``: how long a
@@ -585,14 +589,24 @@ class FleetStream:
 
     async def _skip_newer(self, delivery: Delivery, exc: UnknownMessageType) -> None:
         self.stats.skipped_unknown += 1
-        if str(exc) not in self._warned_types:
-            self._warned_types.add(str(exc))
-            log.warning(
-                "group %s: skipping a message type this version does not know (%s); a newer "
-                "agent sends it. Upgrade the consumers to handle it.",
-                self.group,
-                exc,
-            )
+        warned = self._warned_types
+        if str(exc) not in warned and len(warned) <= _WARNED_TYPES:
+            warned.add(str(exc))
+            if len(warned) <= _WARNED_TYPES:
+                log.warning(
+                    "group %s: skipping a message type this version does not know (%s); a "
+                    "newer agent sends it. Upgrade the consumers to handle it.",
+                    self.group,
+                    exc,
+                )
+            else:  # a newer minor adds a type or two, not dozens: someone invents them
+                log.warning(
+                    "group %s: more than %d message types this version does not know: the "
+                    "others are skipped without a warning each (counted in the stream's "
+                    "skipped_unknown)",
+                    self.group,
+                    _WARNED_TYPES,
+                )
         await self._settle(delivery.ack(), delivery)
 
     # ------------------------------------------------------------------------------ settling

@@ -521,7 +521,9 @@ class NewerMessage(BaseModel):
     specversion: Literal["1.0"]
     id: str = Field(min_length=1)
     source: str = Field(min_length=1)
-    type: str
+    #: A type name as this project writes them (lower-case words joined by dots, dashes or
+    #: underscores, at most 128 characters): anything else is no newer minor's, and refused.
+    type: str = Field(max_length=128, pattern=r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$")
     subject: str | None = None
     time: AwareDatetime
     sequence: int = Field(ge=0, le=MAX_SEQUENCE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -110,6 +111,37 @@ async def test_an_unknown_type_of_our_own_prefix_is_skipped_not_dead_lettered(tr
     assert [m.id for m in got] == [good.id]
     assert stream.stats.skipped_unknown == 1
     assert len(transport.broker.dead["audit"].ready) == 0
+
+
+async def test_a_flood_of_unknown_types_costs_each_message_and_not_the_log_or_memory(
+    transport, caplog
+):
+    """A newer minor's type is skipped with one warning. A sender inventing types, even with
+    our prefix and before any origin check, must not get a warning (and a remembered type)
+    for each one. A type name no version would send (20 KB, odd characters) is dead-lettered
+    ``unknown-type``."""
+    good = heartbeat(vm("web-1"))
+    envelope = json.loads(good.to_bytes())
+    prefix = "io.github.scheduledeventsrelay."
+    invented = [prefix + f"agent.metrics-{n}" for n in range(100)]
+    absurd = [prefix + "x" * 20_000 + str(n) for n in range(50)] + [prefix + "Agent Metrics!"]
+    stream = FleetStream(transport, "audit")
+    caplog.set_level(logging.WARNING, logger="consumers._stream")
+    async with stream:
+        for n, type_ in enumerate(invented + absurd):
+            body = json.dumps(dict(envelope, type=type_, id=f"invented-{n}")).encode()
+            await transport.publish(raw(body))
+        await transport.publish(lifecycle_message(good))
+        got = await collect(stream, 1)
+    assert [m.id for m in got] == [good.id]
+    assert stream.stats.skipped_unknown == len(invented)
+    assert stream.stats.dead_lettered == len(absurd)
+    dead = await dead_letters(transport, "audit", len(absurd))
+    assert {d.properties["dead_letter_reason"] for d in dead} == {"unknown-type"}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) <= 25 + len(absurd), len(warnings)
+    assert max(len(w) for w in warnings) < 2_000
+    assert "agent.metrics-0" in warnings[0]
 
 
 async def test_a_message_handled_already_reaches_the_handler_once(transport):
