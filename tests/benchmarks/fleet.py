@@ -159,6 +159,8 @@ class Result:
     busiest_vm_per_second: int = 0
     #: IMDS requests by method from the burst to the end (every VM's, the simulator's count).
     imds_requests: dict[str, int] = field(default_factory=dict)
+    #: Per agent process, how late its event loop ran a 0.1 s timer over the run (p99, max).
+    loop_lag: list[dict[str, float]] = field(default_factory=list)
     cpu_percent: dict[str, float] = field(default_factory=dict)
     runqueue_percent: dict[str, float] = field(default_factory=dict)
     dead_lettered: int = 0
@@ -533,6 +535,7 @@ def _account(
     central: dict[str, dict[str, Any]],
     sims: list[dict[str, Any]],
 ) -> None:
+    result.loop_lag = [report["loop_lag"] for report in agent_reports]
     for report in agent_reports:
         for kind, count in report["published"].items():
             result.published_by_kind[kind] = result.published_by_kind.get(kind, 0) + count
@@ -655,6 +658,8 @@ def table(result: Result) -> str:
             f"{count} {method}s ({count / max(result.finished_in, 0.1):.0f}/s)"
             for method, count in result.imds_requests.items()
         ),
+        "agent processes' event-loop lag over the run (how late a 0.1 s timer fired), p99 / max: "
+        + ", ".join(f"{lag['p99']:.2f} / {lag['max']:.2f} s" for lag in result.loop_lag),
         "CPU (% of one core) from the burst to the end: "
         + ", ".join(f"{k} {v}" for k, v in result.cpu_percent.items()),
         "waiting for a CPU while runnable (% of one core, all threads), same span: "
