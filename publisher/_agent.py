@@ -544,9 +544,10 @@ async def _cancel_all(tasks: list[asyncio.Task[Any]], *, patience: float = _STOP
     """Cancel the tasks and wait for them; one that swallows its cancel (a library that turns
     it into another error, which a retry loop then takes for a lost link) is cancelled again
     each second, and named, so a stop never hangs on it. Within ``patience`` a task still
-    running is most likely finishing an exchange with the broker that a cancel must not cut
+    running is most likely waiting for an exchange with the broker that a cancel does not cut
     (closing its channel: :func:`~schemas.transport._amqp_errors.uninterrupted`, bounded by its
-    own timeouts), so it is said at INFO; after, as a warning."""
+    own timeouts; the next cancel ends the wait, not the exchange), so it is said at INFO;
+    after, as a warning."""
     pending = {task for task in tasks if not task.done()}
     began = time.monotonic()
     while pending:
