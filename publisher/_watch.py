@@ -103,6 +103,7 @@ class Watcher:
         self._polling_began: float | None = None
         #: When the poll that gave ``document`` began (a stored document: never).
         self._document_began = float("-inf")
+        #: Events listed now whose NotBefore is not a date, warned about already.
         self._warned_not_before: set[str] = set()
         #: Monotonic time of the last good poll; set when IMDS fails, cleared when it answers.
         self.last_poll: float | None = None
@@ -277,9 +278,14 @@ class Watcher:
         return True
 
     def _warn_bad_not_before(self, document: ScheduledEventsDocument) -> None:
+        """Once per event while IMDS lists it: what is remembered is bounded by one document,
+        however many such events a broken IMDS invents over time."""
+        warned = self._warned_not_before
+        if warned:
+            warned.intersection_update(e.event_id for e in document.events)
         for event in document.events:
-            if not event.not_before_valid and event.event_id not in self._warned_not_before:
-                self._warned_not_before.add(event.event_id)
+            if not event.not_before_valid and event.event_id not in warned:
+                warned.add(event.event_id)
                 log.warning(
                     "event %s has a NotBefore that is not a date (%r): kept as sent; its other "
                     "fields and the other events are published as usual",

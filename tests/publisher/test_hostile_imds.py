@@ -227,6 +227,43 @@ async def test_one_malformed_not_before_does_not_hide_the_other_events(tmp_path:
     assert not carried.not_before_valid
 
 
+async def test_a_bad_not_before_is_warned_about_while_listed_and_forgotten_once_gone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent warns once about an event whose NotBefore is not a date, and remembers that it
+    did only while IMDS lists the event: an IMDS that keeps listing new such events must not
+    grow the agent's memory for ever. So an event that comes back after it went is warned about
+    again."""
+    broker, channels = _broker()
+    caplog.set_level(logging.WARNING, logger="publisher._watch")
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path, poll_interval=0.2)
+        sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+        template = sim.scheduled_events_document("web-7")
+        first, second = (str(uuid.uuid4()).upper() for _ in range(2))
+
+        def serve(event_id: str, incarnation: int) -> None:
+            event = dict(template["Events"][0], EventId=event_id, NotBefore="soon")
+            document = dict(template, DocumentIncarnation=incarnation, Events=[event])
+            sim.clear_faults()
+            sim.add_fault(
+                FaultSpec(
+                    vm="web-7", endpoint="scheduledevents", body=json.dumps(document), times=10_000
+                )
+            )
+
+        serve(first, 100)
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED, 1)
+            serve(second, 101)  # the first is gone
+            await rec.wait_kind(MessageType.SCHEDULED, 2)
+            serve(first, 102)  # and back
+            await rec.wait_kind(MessageType.SCHEDULED, 3)
+    warned = [r.getMessage() for r in caplog.records if "is not a date" in r.getMessage()]
+    assert [first in w for w in warned] == [True, False, True], warned
+
+
 async def test_an_imds_error_says_whether_the_request_may_have_been_taken() -> None:
     """A POST StartRequests that went out and got no answer may have started the event; one
     that never went out, or that IMDS answered with an error, did not. Raw sockets on loopback
