@@ -32,6 +32,7 @@ from schemas import (
     decode,
 )
 
+from ._audit import INSERT_DECISIONS, decision_body
 from ._db import Database, Executor, as_time
 from ._fleet import FleetView, SentApproval
 
@@ -295,7 +296,7 @@ async def _insert(
 async def _insert_decisions(tx: Executor, decisions: Sequence[PlannedDecision]) -> None:
     await _insert(
         tx,
-        "INSERT INTO ledger_decisions (time, event_id, event_type, target, body)",
+        INSERT_DECISIONS,
         [(d.at, d.event_id, d.event_type, d.target, _decision_body(d)) for d in decisions],
     )
 
@@ -308,14 +309,12 @@ async def _where_in(tx: Executor, head: str, first: object, keys: Sequence[str])
 
 
 def _decision_body(decision: PlannedDecision) -> str:
-    return json.dumps(
-        {
-            "action": decision.action,
-            "reason": decision.reason,
-            "policy": decision.policy,
-            "decided_by": decision.decided_by,
-            "target": decision.target,
-            "event_version": decision.event_version,
-            "approval_id": decision.approval_id,
-        }
+    return decision_body(
+        decision.action,
+        decision.reason,
+        policy=decision.policy,
+        decided_by=decision.decided_by,
+        target=decision.target,
+        event_version=decision.event_version,
+        approval_id=decision.approval_id,
     )

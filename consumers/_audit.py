@@ -98,11 +98,35 @@ _INSERT_MESSAGES = (
 _ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 #: Rows per INSERT statement (13 values each: well under either database's parameter limit).
 _ROWS_PER_INSERT = 256
-_INSERT_DECISION = (
-    "INSERT INTO ledger_decisions (time, event_id, event_type, target, body) VALUES (?, ?, ?, ?, ?)"
-)
+#: A decision's row: ``(time, event_id, event_type, target, decision_body(...))``.
+INSERT_DECISIONS = "INSERT INTO ledger_decisions (time, event_id, event_type, target, body)"
+_INSERT_DECISION = INSERT_DECISIONS + " VALUES (?, ?, ?, ?, ?)"
 _MESSAGE_COLUMNS = "time, kind, vm, event_id, event_type, sequence, message_id, body, position"
 _DECISION_COLUMNS = "time, event_id, event_type, target, body, position"
+
+
+def decision_body(
+    action: str,
+    reason: str,
+    *,
+    policy: str,
+    decided_by: str,
+    target: str | None,
+    event_version: str | None,
+    approval_id: str | None,
+) -> str:
+    """The ``body`` of a decision's row, whoever records it (the approver, the console)."""
+    return json.dumps(
+        {
+            "action": action,
+            "reason": reason,
+            "policy": policy,
+            "decided_by": decided_by,
+            "target": target,
+            "event_version": event_version,
+            "approval_id": approval_id,
+        }
+    )
 
 
 def _event_type(data: dict[str, Any]) -> str | None:
@@ -195,22 +219,17 @@ class Ledger(AsyncResource):
     ) -> None:
         """Record a decision of an approver (approve, wait, never) or an operator's action
         (hold, release, approve), with the event version it judged."""
-        body = {
-            "action": action,
-            "reason": reason,
-            "policy": policy,
-            "decided_by": decided_by,
-            "target": target,
-            "event_version": event_version,
-            "approval_id": approval_id,
-        }
+        body = decision_body(
+            action,
+            reason,
+            policy=policy,
+            decided_by=decided_by,
+            target=target,
+            event_version=event_version,
+            approval_id=approval_id,
+        )
         await self.db.execute(
-            _INSERT_DECISION,
-            at or datetime.now(UTC),
-            event_id,
-            event_type,
-            target,
-            json.dumps(body),
+            _INSERT_DECISION, at or datetime.now(UTC), event_id, event_type, target, body
         )
 
     # ------------------------------------------------------------------------------- reading
