@@ -589,9 +589,9 @@ class FleetStream:
 
     async def _skip_newer(self, delivery: Delivery, exc: UnknownMessageType) -> None:
         self.stats.skipped_unknown += 1
-        warned = self._warned_types
-        if str(exc) not in warned and len(warned) <= _WARNED_TYPES:
-            warned.add(str(exc))
+        what, warned = str(exc), self._warned_types
+        if what not in warned and len(warned) <= _WARNED_TYPES:
+            warned.add(what)  # one past the limit: it stands for "the rest were announced"
             if len(warned) <= _WARNED_TYPES:
                 log.warning(
                     "group %s: skipping a message type this version does not know (%s); a "
