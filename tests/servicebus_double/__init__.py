@@ -58,7 +58,8 @@ def _poll_select(
     descriptor above 1,023 ("filedescriptor out of range in select()"): raised in the reactor,
     it ended the double's thread once the double held about a thousand connections, as a fleet
     of 1,000 agents opens. ``poll()`` has no such limit. The third list (proton passes the
-    writers again, for Windows) is answered by the writers' readiness."""
+    writers again, for Windows, and adds what comes back to the writable ones) is answered
+    empty: ``poll()`` already reports a writer whose connect failed (``POLLERR``/``POLLHUP``)."""
     poller = select.poll()
     objects: dict[int, Any] = {}
     masks: dict[int, int] = {}
