@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 IMDS_BACKOFF_CAP = 8.0
 
 
+#: How much of a malformed IMDS value a log line quotes (the document may hold 256 KB of it).
+_QUOTED = 80
+
+
 class Watcher:
     """One VM's view of IMDS; :meth:`run` until cancelled."""
 
@@ -286,11 +290,13 @@ class Watcher:
         for event in document.events:
             if not event.not_before_valid and event.event_id not in warned:
                 warned.add(event.event_id)
+                text = event.not_before_text
                 log.warning(
-                    "event %s has a NotBefore that is not a date (%r): kept as sent; its other "
+                    "event %s has a NotBefore that is not a date (%r%s): kept as sent; its other "
                     "fields and the other events are published as usual",
                     event.event_id,
-                    event.not_before_text,
+                    text[:_QUOTED],
+                    f"... {len(text)} characters" if len(text) > _QUOTED else "",
                 )
 
     async def _ran_between_polls(self, transitions: list[Transition]) -> list[Transition]:

@@ -227,6 +227,35 @@ async def test_one_malformed_not_before_does_not_hide_the_other_events(tmp_path:
     assert not carried.not_before_valid
 
 
+async def test_a_huge_malformed_not_before_is_carried_and_not_written_whole_to_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NotBefore of 100,000 characters fits in a document the contract accepts: the event is
+    published as sent, and the agent's warning quotes the start of it, not all of it."""
+    broker, channels = _broker()
+    caplog.set_level(logging.WARNING, logger="publisher._watch")
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path, poll_interval=0.2)
+        sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+        document = sim.scheduled_events_document("web-7")
+        event = dict(document["Events"][0], NotBefore="x" * 100_000)
+        document = dict(document, DocumentIncarnation=100, Events=[event])
+        sim.add_fault(
+            FaultSpec(
+                vm="web-7", endpoint="scheduledevents", body=json.dumps(document), times=10_000
+            )
+        )
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED, 1)
+    (published,) = rec.of(MessageType.SCHEDULED)
+    assert published.data.event.not_before_text == "x" * 100_000  # type: ignore[union-attr]
+    warned = [r.getMessage() for r in caplog.records if "is not a date" in r.getMessage()]
+    assert len(warned) == 1
+    assert "100000 characters" in warned[0]
+    assert len(warned[0]) < 1_000
+
+
 async def test_a_bad_not_before_is_warned_about_while_listed_and_forgotten_once_gone(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
