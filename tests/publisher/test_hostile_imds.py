@@ -13,11 +13,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
-from publisher.simulator import EventSpec, EventType, FaultSpec
+from publisher.simulator import EventSpec, EventType, FaultSpec, Simulator
 from schemas import MessageType
 from schemas.channels import ChannelNames
 
@@ -31,6 +32,22 @@ def _broker() -> tuple[str, ChannelNames]:
 
 def _transitions(rec: Recorder, event_id: str) -> list[str]:
     return [m.kind.value for m in rec.transitions() if m.subject == event_id]
+
+
+def _answer_always(sim: Simulator, document: dict[str, Any]) -> None:
+    """From now on IMDS answers web-7 with ``document``, as sent (a fault's body)."""
+    sim.clear_faults()
+    sim.add_fault(
+        FaultSpec(vm="web-7", endpoint="scheduledevents", body=json.dumps(document), times=10_000)
+    )
+
+
+def _freeze_document(sim: Simulator, incarnation: int, **fields: str) -> dict[str, Any]:
+    """web-7's document, of this incarnation, with only its first event, changed by ``fields``
+    (its ``EventId``, its ``NotBefore``...)."""
+    template = sim.scheduled_events_document("web-7")
+    event = dict(template["Events"][0], **fields)
+    return dict(template, DocumentIncarnation=incarnation, Events=[event])
 
 
 @pytest.mark.parametrize(
@@ -212,11 +229,7 @@ async def test_one_malformed_not_before_does_not_hide_the_other_events(tmp_path:
         bad = dict(document["Events"][0], EventId=str(uuid.uuid4()).upper(), NotBefore="soon")
         document["Events"].append(bad)
         document["DocumentIncarnation"] += 1
-        sim.add_fault(
-            FaultSpec(
-                vm="web-7", endpoint="scheduledevents", body=json.dumps(document), times=10_000
-            )
-        )
+        _answer_always(sim, document)
         async with running(settings):
             await rec.wait_kind(MessageType.SCHEDULED, 2)
     by_id = {m.subject: m for m in rec.of(MessageType.SCHEDULED)}
@@ -238,14 +251,7 @@ async def test_a_huge_malformed_not_before_is_carried_and_not_written_whole_to_t
         sim = server.simulator
         settings = settings_for(server, "web-7", broker, channels, tmp_path, poll_interval=0.2)
         sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
-        document = sim.scheduled_events_document("web-7")
-        event = dict(document["Events"][0], NotBefore="x" * 100_000)
-        document = dict(document, DocumentIncarnation=100, Events=[event])
-        sim.add_fault(
-            FaultSpec(
-                vm="web-7", endpoint="scheduledevents", body=json.dumps(document), times=10_000
-            )
-        )
+        _answer_always(sim, _freeze_document(sim, 100, NotBefore="x" * 100_000))
         async with running(settings):
             await rec.wait_kind(MessageType.SCHEDULED, 1)
     (published,) = rec.of(MessageType.SCHEDULED)
@@ -269,17 +275,11 @@ async def test_a_bad_not_before_is_warned_about_while_listed_and_forgotten_once_
         sim = server.simulator
         settings = settings_for(server, "web-7", broker, channels, tmp_path, poll_interval=0.2)
         sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
-        template = sim.scheduled_events_document("web-7")
         first, second = (str(uuid.uuid4()).upper() for _ in range(2))
 
         def serve(event_id: str, incarnation: int) -> None:
-            event = dict(template["Events"][0], EventId=event_id, NotBefore="soon")
-            document = dict(template, DocumentIncarnation=incarnation, Events=[event])
-            sim.clear_faults()
-            sim.add_fault(
-                FaultSpec(
-                    vm="web-7", endpoint="scheduledevents", body=json.dumps(document), times=10_000
-                )
+            _answer_always(
+                sim, _freeze_document(sim, incarnation, EventId=event_id, NotBefore="soon")
             )
 
         serve(first, 100)
