@@ -33,7 +33,7 @@ from schemas import (
 )
 
 from ._audit import INSERT_DECISIONS, decision_body
-from ._db import Database, Executor, as_time
+from ._db import Database, Executor, Statement, as_time
 from ._fleet import FleetView, SentApproval
 
 __all__ = ["ApproverState", "Hold", "PendingApproval", "PlannedDecision"]
@@ -170,11 +170,11 @@ class ApproverState:
         one), the decisions, the approvals as ``sending``, the approvals the broker took since
         (``sent``), what pruned events were made of (``forget``), and a new state version.
         Rows go in a few multi-row statements, whatever the number of messages."""
-        async with self.db.transaction() as tx:
-            await self._store_messages(tx, messages)
-            await _insert_decisions(tx, decisions)
-            await _insert(
-                tx,
+        version = f"{self.writer}:{uuid.uuid4().hex[:12]}"
+        statements = [
+            *self._store_messages(messages),
+            *_insert_decisions(decisions),
+            *_insert(
                 "INSERT INTO approver_approvals (grp, approval_id, event_id, event_version, "
                 "target, reply_channel, reply_key, body, state, at)",
                 [
@@ -193,32 +193,38 @@ class ApproverState:
                     for p in approvals
                 ],
                 "ON CONFLICT (grp, approval_id) DO NOTHING",
-            )
-            await _where_in(
-                tx,
+            ),
+            *_where_in(
                 "UPDATE approver_approvals SET state = 'sent' WHERE grp = ? AND approval_id",
                 self.group,
                 sent,
-            )
-            for table in ("approver_messages", "approver_approvals"):
-                await _where_in(
-                    tx, f"DELETE FROM {table} WHERE grp = ? AND event_id", self.group, forget
+            ),
+            *(
+                statement
+                for table in ("approver_messages", "approver_approvals")
+                for statement in _where_in(
+                    f"DELETE FROM {table} WHERE grp = ? AND event_id", self.group, forget
                 )
-            await self._bump(tx)
+            ),
+            (
+                "INSERT INTO central_meta (key, value) VALUES (?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (self._key, version),
+            ),
+        ]
+        # In one go (on SQLite, one trip to the database's thread): nothing here needs the
+        # result of another statement, and an approver under load commits several times a
+        # second.
+        await self.db.write(statements)
+        self.version = version
 
-    async def _store_messages(self, tx: Executor, messages: Sequence[LifecycleMessage]) -> None:
+    def _store_messages(self, messages: Sequence[LifecycleMessage]) -> list[Statement]:
         """The messages, in order; of an agent's own messages (its identity and liveness) only
         its last one is kept."""
         last_own: dict[str, int] = {}
         for index, message in enumerate(messages):
             if isinstance(message, AgentMessage):
                 last_own[message.vm.name.casefold()] = index
-        await _where_in(
-            tx,
-            "DELETE FROM approver_messages WHERE grp = ? AND event_id IS NULL AND vm",
-            self.group,
-            list(last_own),
-        )
         rows = []
         for index, message in enumerate(messages):
             vm = message.vm.name.casefold()
@@ -227,22 +233,18 @@ class ApproverState:
                 continue
             raw = message.received_bytes or message.to_bytes()
             rows.append((self.group, message.id, None if own else message.subject, vm, raw))
-        await _insert(
-            tx,
-            "INSERT INTO approver_messages (grp, message_id, event_id, vm, raw)",
-            rows,
-            "ON CONFLICT (grp, message_id) DO NOTHING",
-        )
-
-    async def _bump(self, tx: Executor) -> None:
-        version = f"{self.writer}:{uuid.uuid4().hex[:12]}"
-        await tx.execute(
-            "INSERT INTO central_meta (key, value) VALUES (?, ?) "
-            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-            self._key,
-            version,
-        )
-        self.version = version
+        return [
+            *_where_in(
+                "DELETE FROM approver_messages WHERE grp = ? AND event_id IS NULL AND vm",
+                self.group,
+                list(last_own),
+            ),
+            *_insert(
+                "INSERT INTO approver_messages (grp, message_id, event_id, vm, raw)",
+                rows,
+                "ON CONFLICT (grp, message_id) DO NOTHING",
+            ),
+        ]
 
     # -------------------------------------------------------------------------------- holds
 
@@ -264,7 +266,7 @@ class ApproverState:
                 record.reason,
                 record.at,
             )
-            await _insert_decisions(tx, [record])
+            await _execute(tx, _insert_decisions([record]))
 
     async def release(self, record: PlannedDecision) -> bool:
         """Release the hold of ``record.event_id`` and put ``record`` (``release``) in the
@@ -274,7 +276,7 @@ class ApproverState:
                 "DELETE FROM approver_holds WHERE event_id = ?", record.event_id
             ):
                 return False
-            await _insert_decisions(tx, [record])
+            await _execute(tx, _insert_decisions([record]))
         return True
 
 
@@ -282,30 +284,35 @@ class ApproverState:
 _CHUNK = 100
 
 
-async def _insert(
-    tx: Executor, head: str, rows: Sequence[tuple[object, ...]], tail: str = ""
-) -> None:
+def _insert(head: str, rows: Sequence[tuple[object, ...]], tail: str = "") -> list[Statement]:
     """``head VALUES (...), (...) tail`` for every row, in order, a chunk at a time."""
+    statements: list[Statement] = []
     for start in range(0, len(rows), _CHUNK):
         chunk = rows[start : start + _CHUNK]
         row = "(" + ", ".join("?" * len(chunk[0])) + ")"
         values = ", ".join([row] * len(chunk))
-        await tx.execute(f"{head} VALUES {values} {tail}", *[v for r in chunk for v in r])
+        statements.append((f"{head} VALUES {values} {tail}", [v for r in chunk for v in r]))
+    return statements
 
 
-async def _insert_decisions(tx: Executor, decisions: Sequence[PlannedDecision]) -> None:
-    await _insert(
-        tx,
+def _insert_decisions(decisions: Sequence[PlannedDecision]) -> list[Statement]:
+    return _insert(
         INSERT_DECISIONS,
         [(d.at, d.event_id, d.event_type, d.target, _decision_body(d)) for d in decisions],
     )
 
 
-async def _where_in(tx: Executor, head: str, first: object, keys: Sequence[str]) -> None:
+def _where_in(head: str, first: object, keys: Sequence[str]) -> list[Statement]:
     """``head IN (...)`` (``head`` ends with the column), ``first`` its first parameter."""
-    for start in range(0, len(keys), _CHUNK):
-        chunk = keys[start : start + _CHUNK]
-        await tx.execute(f"{head} IN ({', '.join('?' * len(chunk))})", first, *chunk)
+    return [
+        (f"{head} IN ({', '.join('?' * len(chunk))})", [first, *chunk])
+        for chunk in (keys[start : start + _CHUNK] for start in range(0, len(keys), _CHUNK))
+    ]
+
+
+async def _execute(tx: Executor, statements: Sequence[Statement]) -> None:
+    for sql, args in statements:
+        await tx.execute(sql, *args)
 
 
 def _decision_body(decision: PlannedDecision) -> str:

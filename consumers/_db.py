@@ -13,9 +13,10 @@ Only the schema (DDL) is per backend.
             await tx.execute("INSERT INTO t (a, b) VALUES (?, ?)", 1, "x")
         rows = await db.fetch("SELECT a, b FROM t WHERE a > ?", 0)
 
-SQLite work runs on aiosqlite's thread, one statement or transaction at a time (a lock), in WAL
-mode; PostgreSQL uses a small asyncpg pool. Failures are :class:`DatabaseError` (with the
-database's own words), or :class:`~schemas.TransportError` when the server cannot be reached.
+SQLite work runs on a thread of the database's own, one statement or transaction at a time (a
+lock), in WAL mode; PostgreSQL uses a small asyncpg pool. Failures are :class:`DatabaseError`
+(with the database's own words), or :class:`~schemas.TransportError` when the server cannot be
+reached. :meth:`Database.write` commits statements that need no result of each other in one go.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import sqlite3
 from abc import abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from schemas import ConfigError, RelayError, TransportError
@@ -39,12 +42,16 @@ __all__ = [
     "Executor",
     "PostgresDatabase",
     "SqliteDatabase",
+    "Statement",
     "as_time",
     "database_exists",
     "open_database",
 ]
 
 Dialect = Literal["sqlite", "postgres"]
+#: One statement and its arguments, for :meth:`Database.write`.
+Statement = tuple[str, Sequence[object]]
+_T = TypeVar("_T")
 
 
 class DatabaseError(RelayError):
@@ -97,6 +104,12 @@ class Database(AsyncResource):
     def transaction(self) -> contextlib.AbstractAsyncContextManager[Executor]:
         """Statements that commit together or not at all."""
 
+    async def write(self, statements: Sequence[Statement]) -> list[int]:
+        """Statements that commit together or not at all, when none needs another's result
+        (each one's row count): on SQLite, one trip to the database's thread for them all."""
+        async with self.transaction() as tx:
+            return [await tx.execute(sql, *args) for sql, args in statements]
+
     @abstractmethod
     async def script(self, ddl: str) -> None:
         """Run several ``;``-separated statements of this backend's own DDL, in one transaction."""
@@ -113,20 +126,79 @@ def _sqlite_value(value: object) -> object:
     return _iso(value) if isinstance(value, datetime) else value
 
 
+def _sqlite_args(args: Sequence[object]) -> tuple[object, ...]:
+    return tuple(_sqlite_value(a) for a in args)
+
+
+# What runs on the database's thread: each is one trip there.
+
+
+def _run(conn: sqlite3.Connection, sql: str, args: tuple[object, ...]) -> int:
+    cursor = conn.execute(sql, args)
+    try:
+        return cursor.rowcount
+    finally:
+        cursor.close()
+
+
+def _fetch(conn: sqlite3.Connection, sql: str, args: tuple[object, ...]) -> list[tuple[Any, ...]]:
+    cursor = conn.execute(sql, args)
+    try:
+        return [tuple(row) for row in cursor.fetchall()]
+    finally:
+        cursor.close()
+
+
+def _end(conn: sqlite3.Connection, *, commit: bool) -> None:
+    """COMMIT (or ROLLBACK); a COMMIT that fails (a busy or full disk) rolls back, so the
+    connection is never left inside a transaction for the next one to trip over."""
+    try:
+        conn.execute("COMMIT" if commit else "ROLLBACK")
+    except sqlite3.Error:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def _commit(conn: sqlite3.Connection) -> None:
+    _end(conn, commit=True)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    _end(conn, commit=False)
+
+
+def _write(
+    conn: sqlite3.Connection, statements: Sequence[tuple[str, tuple[object, ...]]]
+) -> list[int]:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        counts = [_run(conn, sql, args) for sql, args in statements]
+    except BaseException:
+        _rollback(conn)
+        raise
+    _commit(conn)
+    return counts
+
+
+def _script(conn: sqlite3.Connection, ddl: str) -> None:
+    try:
+        conn.executescript(f"BEGIN IMMEDIATE;\n{ddl}\nCOMMIT;")
+    except sqlite3.Error:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
 class _SqliteTransaction:
-    def __init__(self, db: Any) -> None:
+    def __init__(self, db: SqliteDatabase) -> None:
         self._db = db
 
     async def execute(self, sql: str, *args: object) -> int:
-        cursor = await self._db.execute(sql, tuple(_sqlite_value(a) for a in args))
-        count: int = cursor.rowcount
-        await cursor.close()
-        return count
+        return await self._db._call(_run, sql, _sqlite_args(args))
 
     async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
-        # One trip to aiosqlite's thread (execute, fetch and close there), not three.
-        rows = await self._db.execute_fetchall(sql, tuple(_sqlite_value(a) for a in args))
-        return [tuple(row) for row in rows]
+        return await self._db._call(_fetch, sql, _sqlite_args(args))
 
     async def fetchone(self, sql: str, *args: object) -> tuple[Any, ...] | None:
         rows = await self.fetch(sql, *args)
@@ -134,7 +206,13 @@ class _SqliteTransaction:
 
 
 class SqliteDatabase(Database):
-    """One SQLite file in WAL mode. ``create`` False refuses a file that does not exist."""
+    """One SQLite file in WAL mode. ``create`` False refuses a file that does not exist.
+
+    The connection lives on a thread of its own (every call on it runs there, one at a time,
+    in order); each statement, fetch, :meth:`write` or :meth:`script` is one trip to that
+    thread and back. On a loaded machine a trip costs milliseconds (the thread and then the
+    event loop each wait for a CPU), so a commit of many statements goes in one
+    (:meth:`write`)."""
 
     dialect: Dialect = "sqlite"
 
@@ -142,15 +220,12 @@ class SqliteDatabase(Database):
         self.path = path
         self.display = str(path)
         self._create = create
-        self._db: Any = None
+        self._thread: ThreadPoolExecutor | None = None
+        self._conn: sqlite3.Connection | None = None
         self._lock = asyncio.Lock()
 
     async def connect(self) -> None:
-        import sqlite3
-
-        import aiosqlite
-
-        if self._db is not None:
+        if self._conn is not None:
             return
         if sqlite3.sqlite_version_info < MIN_SQLITE:
             raise ConfigError(
@@ -168,35 +243,53 @@ class SqliteDatabase(Database):
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"cannot create {path.parent}: {exc.strerror}") from exc
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sqlite {path.name}")
         try:
-            db = await aiosqlite.connect(path, isolation_level=None)
-        except (aiosqlite.Error, OSError) as exc:
-            raise ConfigError(f"cannot open the database {path}: {exc}") from exc
+            self._conn = await asyncio.get_running_loop().run_in_executor(thread, self._open)
+        except BaseException:
+            thread.shutdown(wait=False)
+            raise
+        self._thread = thread
+
+    def _open(self) -> sqlite3.Connection:
+        """On the database's thread, which the connection then never leaves."""
         try:
-            await db.execute("PRAGMA journal_mode=WAL")
-            await db.execute("PRAGMA synchronous=NORMAL")
-            await db.execute("PRAGMA busy_timeout=10000")
+            conn = sqlite3.connect(self.path, isolation_level=None)
+        except (sqlite3.Error, OSError) as exc:
+            raise ConfigError(f"cannot open the database {self.path}: {exc}") from exc
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=10000")
             # A file that is not SQLite fails here, at the first read of the schema.
-            await db.execute("SELECT count(*) FROM sqlite_master")
-        except aiosqlite.Error as exc:
-            await db.close()
-            raise ConfigError(f"{path} is not a usable SQLite database: {exc}") from exc
-        self._db = db
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        except sqlite3.Error as exc:
+            conn.close()
+            raise ConfigError(f"{self.path} is not a usable SQLite database: {exc}") from exc
+        return conn
 
     async def close(self) -> None:
-        db, self._db = self._db, None
-        if db is not None:
-            await db.close()
+        conn, self._conn = self._conn, None
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        try:
+            if conn is not None:
+                # After whatever is queued there (a call its caller stopped waiting for).
+                await asyncio.get_running_loop().run_in_executor(thread, conn.close)
+        finally:
+            thread.shutdown(wait=False)
 
-    def _conn(self) -> Any:
-        if self._db is None:
+    async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(connection, *args)`` on the database's thread."""
+        conn, thread = self._conn, self._thread
+        if conn is None or thread is None:
             raise RuntimeError("open the database first (async with ...)")
-        return self._db
+        return await asyncio.get_running_loop().run_in_executor(thread, fn, conn, *args)
 
     async def execute(self, sql: str, *args: object) -> int:
         # One statement is a transaction of its own (the connection is in autocommit mode):
-        # no BEGIN and COMMIT around it, half the trips to aiosqlite's thread (the audit makes
-        # one such append per message).
+        # no BEGIN and COMMIT around it (the audit makes one such append per message).
         async with self._statement() as one:
             return await one.execute(sql, *args)
 
@@ -204,44 +297,37 @@ class SqliteDatabase(Database):
         async with self._statement() as one:
             return await one.fetch(sql, *args)
 
+    async def write(self, statements: Sequence[Statement]) -> list[int]:
+        async with self._statement():
+            return await self._call(_write, [(sql, _sqlite_args(args)) for sql, args in statements])
+
     @contextlib.asynccontextmanager
     async def _statement(self) -> AsyncIterator[_SqliteTransaction]:
-        """One statement, outside any transaction, its failure a :class:`DatabaseError`."""
-        import aiosqlite
-
+        """One statement (or one trip), outside any transaction, its failure a
+        :class:`DatabaseError`."""
         async with self._lock:
             try:
-                yield _SqliteTransaction(self._conn())
-            except aiosqlite.Error as exc:
+                yield _SqliteTransaction(self)
+            except sqlite3.Error as exc:
                 raise DatabaseError(f"{self.display}: {exc}") from exc
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Executor]:
-        import aiosqlite
-
         async with self._lock:
-            db = self._conn()
             try:
-                await db.execute("BEGIN IMMEDIATE")
+                await self._call(_run, "BEGIN IMMEDIATE", ())
                 try:
-                    yield _SqliteTransaction(db)
+                    yield _SqliteTransaction(self)
                 except BaseException:
-                    await db.execute("ROLLBACK")
+                    await self._call(_rollback)
                     raise
-                await db.execute("COMMIT")
-            except aiosqlite.Error as exc:
+                await self._call(_commit)
+            except sqlite3.Error as exc:
                 raise DatabaseError(f"{self.display}: {exc}") from exc
 
     async def script(self, ddl: str) -> None:
-        import aiosqlite
-
-        async with self._lock:
-            try:
-                await self._conn().executescript(f"BEGIN IMMEDIATE;\n{ddl}\nCOMMIT;")
-            except aiosqlite.Error as exc:
-                with contextlib.suppress(aiosqlite.Error):
-                    await self._conn().execute("ROLLBACK")
-                raise DatabaseError(f"{self.display}: {exc}") from exc
+        async with self._statement():
+            await self._call(_script, ddl)
 
 
 # ----------------------------------------------------------------------------------- PostgreSQL

@@ -4,6 +4,7 @@ history of a VM or an event that is complete and in order."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from datetime import timedelta
 
@@ -89,16 +90,16 @@ async def test_history_of_an_event_and_of_a_vm_is_complete_and_in_order(ledger_u
 
 
 async def test_the_ledger_refuses_updates_and_deletes(tmp_path):
-    import aiosqlite
+    import sqlite3
 
     path = tmp_path / "audit.db"
     async with open_ledger(str(path)) as ledger:
         await ledger.append(scenario()[0])
-    async with aiosqlite.connect(path) as db:
-        with pytest.raises(aiosqlite.IntegrityError, match="append-only"):
-            await db.execute("DELETE FROM ledger_messages")
-        with pytest.raises(aiosqlite.IntegrityError, match="append-only"):
-            await db.execute("UPDATE ledger_messages SET vm = 'x'")
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            db.execute("DELETE FROM ledger_messages")
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            db.execute("UPDATE ledger_messages SET vm = 'x'")
 
 
 @pytest.mark.postgres

@@ -1,0 +1,71 @@
+"""The database layer both central services write through: what commits, and what a refused
+commit leaves behind (SQLite on a file here, PostgreSQL over its socket)."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumers._db import DatabaseError, open_database
+
+pytestmark = pytest.mark.asyncio
+
+_TABLE = "CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER NOT NULL);"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        return str(tmp_path / "state.db")
+    return request.getfixturevalue("postgres_url")  # a scratch database, dropped afterwards
+
+
+async def test_a_write_commits_every_statement_or_none(db_url):
+    async with open_database(db_url) as db:
+        await db.script(_TABLE)
+        with pytest.raises(DatabaseError):
+            await db.write(
+                [
+                    ("INSERT INTO t (k, v) VALUES (?, ?)", ("a", 1)),
+                    ("INSERT INTO t (k, v) VALUES (?, ?)", ("b", 2)),
+                    ("INSERT INTO t (k, v) VALUES (?, ?)", ("a", 3)),  # the key again
+                ]
+            )
+        assert await db.fetch("SELECT k, v FROM t") == []
+
+        counts = await db.write(
+            [
+                ("INSERT INTO t (k, v) VALUES (?, ?), (?, ?)", ("a", 1, "b", 2)),
+                ("UPDATE t SET v = v + 10 WHERE k IN (?, ?, ?)", ("a", "b", "none")),
+                ("DELETE FROM t WHERE k = ?", ("none",)),
+            ]
+        )
+        assert counts == [2, 2, 0]
+        assert sorted(await db.fetch("SELECT k, v FROM t")) == [("a", 11), ("b", 12)]
+
+
+@pytest.mark.parametrize("how", ["transaction", "write"])
+async def test_a_commit_sqlite_refuses_leaves_the_database_usable(tmp_path, how):
+    """A COMMIT can fail after every statement succeeded (here a deferred foreign key; on a
+    fleet's database, a full disk or a lock held too long); SQLite then keeps the transaction
+    open. Before, the connection stayed inside it: every later transaction of the process
+    failed ("cannot start a transaction within a transaction") until a restart."""
+    async with open_database(str(tmp_path / "state.db")) as db:
+        await db.script(
+            "CREATE TABLE parent (id TEXT PRIMARY KEY);"
+            "CREATE TABLE child (id TEXT PRIMARY KEY, parent TEXT "
+            "REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED);"
+        )
+        await db.execute("PRAGMA foreign_keys = ON")
+        orphan = "INSERT INTO child (id, parent) VALUES (?, ?)", ("c1", "nobody")
+
+        async def in_a_transaction() -> None:
+            async with db.transaction() as tx:
+                await tx.execute(orphan[0], *orphan[1])
+
+        with pytest.raises(DatabaseError, match="FOREIGN KEY"):
+            await (db.write([orphan]) if how == "write" else in_a_transaction())
+
+        async with db.transaction() as tx:
+            await tx.execute("INSERT INTO parent (id) VALUES (?)", "p1")
+        await db.write([("INSERT INTO child (id, parent) VALUES (?, ?)", ("c2", "p1"))])
+        assert await db.fetch("SELECT id, parent FROM child") == [("c2", "p1")]
