@@ -183,7 +183,16 @@ async def run_sim(spec: dict[str, Any]) -> None:
 # ``FLEET_TRACE=1``: each agent process prints to stderr where a Scheduled event's time goes
 # on the agent's side (detection -> publish -> confirm; approval issued -> handled -> fresh
 # IMDS document -> POST done), as percentiles. ``FLEET_PROFILE=PATH``: cProfile of each process
-# in ``PATH.<role>.<pid>`` (an agent process's from ready to stop, the others' whole run).
+# in ``PATH.<role>.<pid>`` (an agent process's from ready to stop, the others' whole run);
+# ``FLEET_PROFILE_ROLES=approver,audit`` profiles only those roles (the profiler's own cost
+# slows what it profiles, and a profiled agent process takes CPU from the rest).
+
+
+def _profiled(role: str) -> bool:
+    roles = os.environ.get("FLEET_PROFILE_ROLES")
+    return bool(os.environ.get("FLEET_PROFILE")) and (
+        roles is None or role in {r.strip() for r in roles.split(",")}
+    )
 
 #: How long each commit before an ack batch took (approver: its state and approval sends).
 _COMMITS: list[float] = []
@@ -371,7 +380,7 @@ async def run_agents(spec: dict[str, Any]) -> None:
     _say(ready=len([a for a in agents if a.ready.is_set()]), seconds=round(time.time() - began, 1),
          failed=[repr(t.exception()) for t in failed[:3]])  # fmt: skip
     profile = None
-    if os.environ.get("FLEET_PROFILE"):
+    if _profiled("agents"):
         import cProfile
 
         profile = cProfile.Profile()
@@ -562,7 +571,7 @@ def worker(role: str) -> int:
         asyncio.run(run_agents(spec))  # profiled from the moment its agents are ready
         return 0
     profile = None
-    if os.environ.get("FLEET_PROFILE"):
+    if _profiled(role):
         import cProfile
 
         profile = cProfile.Profile()

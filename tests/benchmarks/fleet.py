@@ -40,7 +40,8 @@ and signs its messages; the approver reads the session-enabled ``approver`` subs
 
 ``FLEET_TRACE=1`` in the environment makes each agent process print where the time goes on the
 agent's side (detection -> publish -> confirm; approval issued -> handled -> fresh IMDS
-document -> POST); ``FLEET_PROFILE=PATH`` writes a cProfile of each process.
+document -> POST); ``FLEET_PROFILE=PATH`` writes a cProfile of each process
+(``FLEET_PROFILE_ROLES=approver``: of the approver alone; roles: agents, sim, approver, audit).
 
 Prints a table, then as its last line one JSON object. Entities on the broker are named for
 the run and deleted afterwards. Asserts nothing (``tests/scale`` runs a short one that does).
