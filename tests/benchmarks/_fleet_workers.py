@@ -194,6 +194,7 @@ def _profiled(role: str) -> bool:
         roles is None or role in {r.strip() for r in roles.split(",")}
     )
 
+
 #: How long each commit before an ack batch took (approver: its state and approval sends).
 _COMMITS: list[float] = []
 #: (detected, publish began, confirmed) of each ``scheduled`` message.

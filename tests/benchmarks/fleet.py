@@ -149,6 +149,8 @@ class Result:
     posts: int = 0
     detection: Quantiles = field(default_factory=Quantiles)
     delivered: Quantiles = field(default_factory=Quantiles)
+    #: The approver's own part: its handler got the ``scheduled`` -> its decision committed.
+    judged: Quantiles = field(default_factory=Quantiles)
     decided: Quantiles = field(default_factory=Quantiles)
     posted: Quantiles = field(default_factory=Quantiles)
     detected_to_decided: Quantiles = field(default_factory=Quantiles)
@@ -579,14 +581,14 @@ def _account(
         wrong += len(approvals) if event_id not in approvable else max(0, len(approvals) - 1)
     result.wrong_posts = wrong
     decisions = central["approver"]["decisions"]
-    detection, decided, posted, d_decided, d_posted = [], [], [], [], []
+    detection, decided, posted, d_decided, d_posted, judged = [], [], [], [], [], []
     delivered = [r - t for (_, _, kind), (t, r) in seen["approver"].items() if kind == "scheduled"]
     for event_id, life in lives.items():
         if event_id not in events:
             continue
         created = life["created"]
         key = (life["vm"].casefold(), event_id, "scheduled")
-        detected = seen["approver"].get(key, [None])[0]
+        detected, received = seen["approver"].get(key, (None, None))
         if detected is not None:
             detection.append(detected - created)
         if event_id in decisions:
@@ -594,6 +596,8 @@ def _account(
             decided.append(at - created)
             if detected is not None:
                 d_decided.append(at - detected)
+            if received is not None:
+                judged.append(at - received)
         if life["approvals"]:
             at = min(time for _, time in life["approvals"])
             posted.append(at - created)
@@ -601,6 +605,7 @@ def _account(
                 d_posted.append(at - detected)
     result.detection = Quantiles.of(detection)
     result.delivered = Quantiles.of(delivered)
+    result.judged = Quantiles.of(judged)
     result.decided = Quantiles.of(decided)
     result.posted = Quantiles.of(posted)
     result.detected_to_decided = Quantiles.of(d_decided)
@@ -631,6 +636,7 @@ def table(result: Result) -> str:
     for name, q in (
         ("appeared -> detected", result.detection),
         ("detected -> approver has it", result.delivered),
+        ("approver has it -> decided", result.judged),
         ("appeared -> decided", result.decided),
         ("appeared -> POST", result.posted),
         ("detected -> decided", result.detected_to_decided),
