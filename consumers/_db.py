@@ -149,23 +149,21 @@ def _fetch(conn: sqlite3.Connection, sql: str, args: tuple[object, ...]) -> list
         cursor.close()
 
 
-def _end(conn: sqlite3.Connection, *, commit: bool) -> None:
-    """COMMIT (or ROLLBACK); a COMMIT that fails (a busy or full disk) rolls back, so the
-    connection is never left inside a transaction for the next one to trip over."""
-    try:
-        conn.execute("COMMIT" if commit else "ROLLBACK")
-    except sqlite3.Error:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
+def _rollback(conn: sqlite3.Connection) -> None:
+    # An error may have ended the transaction already (SQLite rolls back on a full disk, for
+    # one): a ROLLBACK then would fail and hide that error.
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
 
 
 def _commit(conn: sqlite3.Connection) -> None:
-    _end(conn, commit=True)
-
-
-def _rollback(conn: sqlite3.Connection) -> None:
-    _end(conn, commit=False)
+    """COMMIT; one that fails (a deferred constraint, a busy or full disk) leaves SQLite inside
+    the transaction, so it is rolled back: the next transaction must not trip over it."""
+    try:
+        conn.execute("COMMIT")
+    except sqlite3.Error:
+        _rollback(conn)
+        raise
 
 
 def _write(
@@ -185,8 +183,7 @@ def _script(conn: sqlite3.Connection, ddl: str) -> None:
     try:
         conn.executescript(f"BEGIN IMMEDIATE;\n{ddl}\nCOMMIT;")
     except sqlite3.Error:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
 
 

@@ -69,3 +69,30 @@ async def test_a_commit_sqlite_refuses_leaves_the_database_usable(tmp_path, how)
             await tx.execute("INSERT INTO parent (id) VALUES (?)", "p1")
         await db.write([("INSERT INTO child (id, parent) VALUES (?, ?)", ("c2", "p1"))])
         assert await db.fetch("SELECT id, parent FROM child") == [("c2", "p1")]
+
+
+@pytest.mark.parametrize("how", ["transaction", "write"])
+async def test_a_full_database_says_so_and_takes_the_next_write_once_there_is_room(tmp_path, how):
+    """A full disk (here SQLite's own page limit) rolls the whole transaction back inside
+    SQLite. The error that reaches the caller is that one ("database or disk is full"): before,
+    the rollback that followed failed as well ("no transaction is active") and its error hid
+    the cause from the operator."""
+    async with open_database(str(tmp_path / "state.db")) as db:
+        await db.script("CREATE TABLE t (k TEXT PRIMARY KEY, v BLOB);")
+        pages = (await db.fetch("PRAGMA page_count"))[0][0]
+        await db.fetch(f"PRAGMA max_page_count = {pages + 2}")
+        small = "INSERT INTO t (k, v) VALUES (?, ?)", ("a", b"x" * 100)
+        large = "INSERT INTO t (k, v) VALUES (?, ?)", ("b", b"x" * 200_000)
+
+        async def in_a_transaction() -> None:
+            async with db.transaction() as tx:
+                for sql, args in (small, large):
+                    await tx.execute(sql, *args)
+
+        with pytest.raises(DatabaseError, match="database or disk is full"):
+            await (db.write([small, large]) if how == "write" else in_a_transaction())
+        assert await db.fetch("SELECT k FROM t") == []
+
+        await db.fetch("PRAGMA max_page_count = 1000000")
+        await db.write([small, large])
+        assert sorted(await db.fetch("SELECT k FROM t")) == [("a",), ("b",)]
