@@ -13,7 +13,9 @@ start that a failover forgets.
 
 A message is acked only once a crash can no longer lose its decisions. Without a database,
 after its approvals are confirmed by the broker: the message comes back to the next active
-process. With one, the messages of one ack batch are committed together, with their decisions
+process. The stream acks in batches after awaiting :meth:`ApproverService.commit`, which sends
+the batch's approvals together and waits for their confirms: one round trip a batch, not one
+an approval. With one, the messages of one ack batch are committed together, with their decisions
 and their approvals as ``sending`` (:meth:`ApproverService.commit`, which the stream awaits
 before it acks them): one transaction for up to a batch of messages instead of one each. The
 approvals then go out while the stream reads on, and are marked sent in a later commit; a
@@ -172,7 +174,7 @@ class ApproverService:
             exclusive=exclusive,
             origin=origin,
             verifier=verifier,
-            before_ack=None if self.state is None else self.commit,
+            before_ack=self.commit,
         )
         self.stream.add_handler(self.handle)
         self._last: dict[str, tuple[str, str]] = {}
@@ -263,25 +265,31 @@ class ApproverService:
         """Commit, in one transaction, what the messages handled since the last commit changed
         (the messages, their decisions, the approvals signed as ``sending``), then send those
         approvals. The stream awaits this before it acks the messages (``before_ack``); when
-        it fails, the view is loaded again from the database before the next decision."""
+        it fails, the view is loaded again from the database before the next decision.
+        Without a database: send the approvals the messages led to, together, and return once
+        the broker confirmed them all (so a crash before brings the messages back)."""
         async with self._lock:
             await self._commit()
 
     async def _settle(self, plan: _Plan, *, commit: bool) -> None:
-        """Record and send what ``plan`` decided: at once without a database; with one, staged
-        for the next commit (now when ``commit``)."""
+        """Record what ``plan`` decided and stage it for the next commit (now when ``commit``):
+        with a database, the commit stores it and then sends its approvals; without one, it
+        sends them and waits for their confirms."""
         if self.state is None:
             self._made(plan)
-            await self._send(plan.approvals)
-            return
-        self._staged.take(plan)
+            self._staged.approvals += plan.approvals
+        else:
+            self._staged.take(plan)
         if commit:
             await self._commit()
 
     async def _commit(self) -> None:
         plan, self._staged = self._staged, _Plan()
         self._holds = None
-        if self.state is None or plan.empty:
+        if self.state is None:
+            await self._send(plan.approvals)
+            return
+        if plan.empty:
             return
         try:
             await self.state.commit(

@@ -28,9 +28,9 @@ async def transport():
         yield memory
 
 
-async def next_approval(transport, name: str) -> Approval:
+async def next_approval(transport, name: str, within: float = 2) -> Approval:
     async with transport.approvals(name) as sub:
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(within):
             async for delivery in sub:
                 await delivery.ack()
                 return Approval.from_bytes(delivery.body)
@@ -243,6 +243,36 @@ async def test_with_a_database_the_broker_confirming_approvals_slowly_does_not_s
         await asyncio.wait_for(runner, 5)
     assert [a.vm for a in approvals] == names
     assert read_in < 5, f"640 messages read in {read_in:.1f} s"
+
+
+class _HalfSecondConfirms(MemoryTransport):
+    """A broker that confirms each approval half a second after it was sent."""
+
+    def __init__(self) -> None:
+        super().__init__(f"approver-{uuid.uuid4().hex}")
+
+    async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
+        await asyncio.sleep(0.5)
+        await super().send_approval(to, message)
+
+
+async def test_without_a_database_a_wave_waits_for_confirms_a_batch_at_a_time_not_one_at_a_time():
+    """Without a database a message is acked only once the broker confirmed its approvals (a
+    crash before that must bring the message back: nothing else remembers the decision). The
+    wait is per ack batch, the batch's approvals sent together: a wave of 40 events whose
+    approvals each take half a second to be confirmed is decided and sent in a few seconds,
+    not the 20 s one confirm after the other took (the stream read nothing meanwhile)."""
+    async with _HalfSecondConfirms() as slow:
+        service = ApproverService(slow, generate_signing_key())
+        names = await _user_reboots(slow, 40)
+        began = asyncio.get_running_loop().time()
+        runner = asyncio.create_task(service.run())
+        approvals = [await next_approval(slow, name, within=30) for name in names]
+        took = asyncio.get_running_loop().time() - began
+        service.stop()
+        await asyncio.wait_for(runner, 5)
+    assert sorted(a.vm for a in approvals) == sorted(names)
+    assert took < 6, f"40 approvals confirmed in {took:.1f} s"
 
 
 class _LinkLostOnce(MemoryTransport):
