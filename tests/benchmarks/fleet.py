@@ -149,7 +149,9 @@ class Result:
     posts: int = 0
     detection: Quantiles = field(default_factory=Quantiles)
     delivered: Quantiles = field(default_factory=Quantiles)
-    #: The approver's own part: its handler got the ``scheduled`` -> its decision committed.
+    #: The approver's own part: its handler got the ``scheduled`` -> its decision committed
+    #: (the recording handler runs after the service's: with ``--approver-db memory``, whose
+    #: decisions are made inside its handler, this is about 0).
     judged: Quantiles = field(default_factory=Quantiles)
     decided: Quantiles = field(default_factory=Quantiles)
     posted: Quantiles = field(default_factory=Quantiles)
