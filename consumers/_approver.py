@@ -11,17 +11,17 @@ live events and their phases, approvals sent and their versions, hook results, a
 who is unavailable — and sends again what it cannot be sure went out. Without one, it says at
 start that a failover forgets.
 
-A message is acked only once a crash can no longer lose its decisions. Without a database,
-after its approvals are confirmed by the broker: the message comes back to the next active
-process. The stream acks in batches after awaiting :meth:`ApproverService.commit`, which sends
-the batch's approvals together and waits for their confirms: one round trip a batch, not one
-an approval. With one, the messages of one ack batch are committed together, with their decisions
-and their approvals as ``sending`` (:meth:`ApproverService.commit`, which the stream awaits
-before it acks them): one transaction for up to a batch of messages instead of one each. The
-approvals then go out while the stream reads on, and are marked sent in a later commit; a
-process that takes over sends again whatever is still ``sending`` (an agent applies an
-approval once, whatever the copies). Holding the stream until the broker confirmed each
-batch's approvals capped a busy approver at one batch per confirm round trip.
+A message is acked only once a crash can no longer lose its decisions. The stream acks a batch
+of messages after awaiting :meth:`ApproverService.commit`. Without a database, that sends the
+batch's approvals together (and any a lost link stopped) and returns once the broker confirmed
+them all, so a crash before brings the messages back to the next active process: one confirm
+round trip a batch, not one an approval. With one, it commits the batch's messages together,
+with their decisions and their approvals as ``sending``: one transaction for up to a batch of
+messages instead of one each. The approvals then go out while the stream reads on, and are
+marked sent in a later commit; a process that takes over sends again whatever is still
+``sending`` (an agent applies an approval once, whatever the copies). Holding the stream until
+the broker confirmed each batch's approvals capped a busy approver at one batch per confirm
+round trip.
 
 Per message, the work does not grow with the number of open events: the message's own event is
 decided again, and, when it changes who is unavailable, only the events a guard holds that the
@@ -287,7 +287,9 @@ class ApproverService:
         plan, self._staged = self._staged, _Plan()
         self._holds = None
         if self.state is None:
-            await self._send(plan.approvals)
+            # Those a lost link stopped too: the batch is acked only once none is left unsent.
+            unsent, self._unsent = self._unsent, []
+            await self._send(unsent + plan.approvals)
             return
         if plan.empty:
             return

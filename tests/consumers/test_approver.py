@@ -289,6 +289,26 @@ class _LinkLostOnce(MemoryTransport):
         await super().send_approval(to, message)
 
 
+async def test_without_a_database_a_batch_is_not_acked_while_an_approval_of_it_is_unsent():
+    """Without a database the batch's commit (what the stream awaits before it acks) returns
+    only once every approval decided so far is confirmed, those a lost link stopped included:
+    the first commit fails with the link; the next one sends the approval before it returns,
+    even with nothing new decided (before, it returned at once and the batch was acked with
+    its approval still unsent, which a crash then lost)."""
+    async with _LinkLostOnce() as flaky:
+        await flaky.declare_group("approver")
+        service = ApproverService(flaky, generate_signing_key())
+        ev = event("EVT-web-1", source="User", resources=("web-1",))
+        now = datetime.now(UTC)
+        await service.handle(heartbeat(vm("web-1"), at=now))
+        await service.handle(transition("scheduled", ev, vm("web-1"), at=now))
+        with pytest.raises(TransportError):
+            await service.commit()
+        await service.commit()
+        approval = await next_approval(flaky, "web-1", within=1)
+    assert approval.event_id == "EVT-web-1"
+
+
 async def test_with_a_database_an_approval_a_lost_link_stopped_goes_out_without_another_message(
     tmp_path,
 ):
