@@ -249,7 +249,13 @@ class ApproverService:
         async with self._lock:
             if self._staged.empty:  # the first message since the last commit
                 await self._sync()
-            await self._send_unsent()
+            try:
+                await self._send_unsent()
+            except TransportError as exc:
+                # Not this message's failure: the approvals stay unsent, for the next message,
+                # housekeeping (with a database) or the batch's commit, which fails and brings
+                # the batch back while one is unsent (without one).
+                log.info("approvals a lost link stopped are still not confirmed (%s)", exc)
             plan = _Plan(messages=[message])
             self.fleet.take_changes()
             state = self.fleet.apply(message)

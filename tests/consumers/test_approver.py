@@ -309,6 +309,47 @@ async def test_without_a_database_a_batch_is_not_acked_while_an_approval_of_it_i
     assert approval.event_id == "EVT-web-1"
 
 
+class _LinkDown(MemoryTransport):
+    """A broker link that is down for approvals until ``up`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(f"approver-{uuid.uuid4().hex}")
+        self.up = False
+
+    async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
+        if not self.up:
+            raise TransportError("link down (test)")
+        await super().send_approval(to, message)
+
+
+async def test_a_message_handled_while_an_approval_waits_for_the_link_is_not_failed_for_it(
+    tmp_path,
+):
+    """With a database, an approval a lost link stopped is durable (``sending``) and goes out
+    again on its own; a message handled meanwhile (another VM's ``started``) is handled, not
+    failed because the approval could not go out yet. Before, the handler raised the link's
+    error: the stream retried that message (every handler got it again: the fault storm's
+    duplicates at a handler) and, after its attempts, dead-lettered it."""
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'central.db'}")
+    async with _LinkDown() as down, ledger:
+        await down.declare_group("approver")
+        service = ApproverService(down, generate_signing_key(), db=ledger.db)
+        now = datetime.now(UTC)
+        ev = event("EVT-web-1", source="User", resources=("web-1",))
+        await service.handle(heartbeat(vm("web-1"), at=now))
+        await service.handle(transition("scheduled", ev, vm("web-1"), at=now))
+        await service.commit()  # committed as sending; the send fails on the link
+        await asyncio.gather(*service._sending)
+        other = event("EVT-web-2", source="User", resources=("web-2",))
+        await service.handle(transition("started", other, vm("web-2"), at=now))
+        await service.commit()
+        down.up = True  # the next message sends it (or housekeeping, within a second)
+        await service.handle(heartbeat(vm("web-3"), at=datetime.now(UTC)))
+        await service.commit()
+        approval = await next_approval(down, "web-1", within=2)
+    assert approval.event_id == "EVT-web-1"
+
+
 async def test_with_a_database_an_approval_a_lost_link_stopped_goes_out_without_another_message(
     tmp_path,
 ):
