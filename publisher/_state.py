@@ -534,10 +534,17 @@ def _commit(
             depth -= dropped
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        _rollback(db)
         raise
     kept = {row.sequence for row in rows} if not dropped else _present(db, rows)
     return Committed([r for r in rows if r.sequence in kept], dropped, depth)
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    # An error may have ended the transaction already (SQLite rolls back on a full disk, for
+    # one): a ROLLBACK then would fail and hide that error.
+    if db.in_transaction:
+        db.execute("ROLLBACK")
 
 
 def _present(db: sqlite3.Connection, rows: list[OutboxRow]) -> set[int]:
@@ -581,7 +588,7 @@ def _set_aside(db: sqlite3.Connection, row: OutboxRow, why: str, reason: str) ->
         db.execute("DELETE FROM outbox WHERE sequence = ?", (row.sequence,))
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        _rollback(db)
         raise
     return _depth(db)
 

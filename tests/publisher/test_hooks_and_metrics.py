@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 
 from publisher import HookSpec
 from publisher._state import StateStore
@@ -169,5 +170,39 @@ async def test_the_outbox_bound_drops_heartbeats_first_and_never_transitions(
         assert state.document == document
         assert state.next_sequence == 8
         assert [json.loads(r.body)["sequence"] for r in await store.pending()] == [3, 4, 5, 6]
+    finally:
+        await store.close()
+
+
+async def test_a_full_disk_is_what_a_failed_commit_of_the_state_says(tmp_path: Path) -> None:
+    """A full disk (here SQLite's own page limit) ends the transaction inside SQLite. The
+    error the agent logs is that one ("database or disk is full"): before, the ROLLBACK that
+    followed failed as well ("no transaction is active") and its error hid the cause. Once
+    there is room, the next commit goes through."""
+    import sqlite3
+    from datetime import UTC, datetime, timedelta
+
+    store = await StateStore.open(tmp_path, limit=10_000)
+    try:
+        reply = ReplyAddress(channel="approvals", key="web-7")
+        now = datetime.now(UTC)
+        data = AgentData(vm=_vm(), agent_version="t", reply_to=reply)
+        beats = [
+            AgentMessage.build(
+                MessageType.AGENT_HEARTBEAT,
+                data,
+                observed_at=now + timedelta(seconds=i),
+                instance="i",
+            )
+            for i in range(300)
+        ]
+        pages = (await store._run(lambda db: db.execute("PRAGMA page_count").fetchone()))[0]
+        await store._run(lambda db: db.execute(f"PRAGMA max_page_count = {pages + 2}"))
+        with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+            await store.commit(beats)
+        assert await store.depth() == 0
+        await store._run(lambda db: db.execute("PRAGMA max_page_count = 1000000"))
+        await store.commit(beats)
+        assert await store.depth() == 300
     finally:
         await store.close()
