@@ -33,7 +33,7 @@ from schemas import (
 )
 
 from ._audit import INSERT_DECISIONS, decision_body
-from ._db import Database, Executor, Statement, as_time
+from ._db import Database, Statement, as_time
 from ._fleet import FleetView, SentApproval
 
 __all__ = ["ApproverState", "Hold", "PendingApproval", "PlannedDecision"]
@@ -256,17 +256,17 @@ class ApproverState:
         """An operator's hold of ``record.event_id``, and ``record`` (the operator's decision,
         ``hold``) in the ledger, in one transaction: the approver, which reads only the holds,
         never acts on a hold the audit does not show."""
-        async with self.db.transaction() as tx:
-            await tx.execute(
-                "INSERT INTO approver_holds (event_id, held_by, reason, at) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (event_id) DO UPDATE SET held_by = excluded.held_by, "
-                "reason = excluded.reason, at = excluded.at",
-                record.event_id,
-                record.decided_by,
-                record.reason,
-                record.at,
-            )
-            await _execute(tx, _insert_decisions([record]))
+        await self.db.write(
+            [
+                (
+                    "INSERT INTO approver_holds (event_id, held_by, reason, at) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (event_id) DO UPDATE SET "
+                    "held_by = excluded.held_by, reason = excluded.reason, at = excluded.at",
+                    (record.event_id, record.decided_by, record.reason, record.at),
+                ),
+                *_insert_decisions([record]),
+            ]
+        )
 
     async def release(self, record: PlannedDecision) -> bool:
         """Release the hold of ``record.event_id`` and put ``record`` (``release``) in the
@@ -276,7 +276,8 @@ class ApproverState:
                 "DELETE FROM approver_holds WHERE event_id = ?", record.event_id
             ):
                 return False
-            await _execute(tx, _insert_decisions([record]))
+            for sql, args in _insert_decisions([record]):
+                await tx.execute(sql, *args)
         return True
 
 
@@ -308,11 +309,6 @@ def _where_in(head: str, first: object, keys: Sequence[str]) -> list[Statement]:
         (f"{head} IN ({', '.join('?' * len(chunk))})", [first, *chunk])
         for chunk in (keys[start : start + _CHUNK] for start in range(0, len(keys), _CHUNK))
     ]
-
-
-async def _execute(tx: Executor, statements: Sequence[Statement]) -> None:
-    for sql, args in statements:
-        await tx.execute(sql, *args)
 
 
 def _decision_body(decision: PlannedDecision) -> str:
