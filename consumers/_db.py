@@ -43,6 +43,7 @@ __all__ = [
     "PostgresDatabase",
     "SqliteDatabase",
     "Statement",
+    "WriteConflict",
     "as_time",
     "database_exists",
     "open_database",
@@ -56,6 +57,11 @@ _T = TypeVar("_T")
 
 class DatabaseError(RelayError):
     """A statement the database refused (a constraint, a permission, a missing table...)."""
+
+
+class WriteConflict(DatabaseError):
+    """The guard of a :meth:`Database.write` changed no row: another writer changed what it
+    checks first. Nothing was written."""
 
 
 def _iso(moment: datetime) -> str:
@@ -104,10 +110,17 @@ class Database(AsyncResource):
     def transaction(self) -> contextlib.AbstractAsyncContextManager[Executor]:
         """Statements that commit together or not at all."""
 
-    async def write(self, statements: Sequence[Statement]) -> list[int]:
+    async def write(
+        self, statements: Sequence[Statement], *, guard: Statement | None = None
+    ) -> list[int]:
         """Statements that commit together or not at all, when none needs another's result
-        (each one's row count): on SQLite, one trip to the database's thread for them all."""
+        (each one's row count): on SQLite, one trip to the database's thread for them all.
+        ``guard`` runs first, in the same transaction: when it changes no row (a compare and
+        set that found another value), nothing is written and :class:`WriteConflict` is
+        raised."""
         async with self.transaction() as tx:
+            if guard is not None and not await tx.execute(guard[0], *guard[1]):
+                raise _conflict(guard)
             return [await tx.execute(sql, *args) for sql, args in statements]
 
     @abstractmethod
@@ -166,11 +179,19 @@ def _commit(conn: sqlite3.Connection) -> None:
         raise
 
 
+def _conflict(guard: Statement) -> WriteConflict:
+    return WriteConflict(f"changed by another writer (no row matched: {guard[0]})")
+
+
 def _write(
-    conn: sqlite3.Connection, statements: Sequence[tuple[str, tuple[object, ...]]]
+    conn: sqlite3.Connection,
+    statements: Sequence[tuple[str, tuple[object, ...]]],
+    guard: tuple[str, tuple[object, ...]] | None,
 ) -> list[int]:
     conn.execute("BEGIN IMMEDIATE")
     try:
+        if guard is not None and not _run(conn, *guard):
+            raise _conflict(guard)
         counts = [_run(conn, sql, args) for sql, args in statements]
     except BaseException:
         _rollback(conn)
@@ -294,9 +315,13 @@ class SqliteDatabase(Database):
         async with self._statement() as one:
             return await one.fetch(sql, *args)
 
-    async def write(self, statements: Sequence[Statement]) -> list[int]:
+    async def write(
+        self, statements: Sequence[Statement], *, guard: Statement | None = None
+    ) -> list[int]:
+        args = [(sql, _sqlite_args(values)) for sql, values in statements]
+        checked = None if guard is None else (guard[0], _sqlite_args(guard[1]))
         async with self._statement():
-            return await self._call(_write, [(sql, _sqlite_args(args)) for sql, args in statements])
+            return await self._call(_write, args, checked)
 
     @contextlib.asynccontextmanager
     async def _statement(self) -> AsyncIterator[_SqliteTransaction]:

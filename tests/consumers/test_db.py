@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumers._db import DatabaseError, open_database
+from consumers._db import DatabaseError, WriteConflict, open_database
 
 pytestmark = pytest.mark.asyncio
 
@@ -41,6 +41,32 @@ async def test_a_write_commits_every_statement_or_none(db_url):
         )
         assert counts == [2, 2, 0]
         assert sorted(await db.fetch("SELECT k, v FROM t")) == [("a", 11), ("b", 12)]
+
+
+async def test_a_guarded_write_that_lost_the_race_writes_nothing(db_url):
+    """A compare and set: the guard runs first and must change a row. Two writers that read
+    version 1 both try to move it; the second finds 2 and none of its statements is kept."""
+    async with open_database(db_url) as db, open_database(db_url) as other:
+        await db.script(_TABLE)
+        await db.execute("INSERT INTO t (k, v) VALUES (?, ?)", "version", 1)
+        move = "UPDATE t SET v = ? WHERE k = ? AND v = ?"
+        first = await db.write(
+            [("INSERT INTO t (k, v) VALUES (?, ?)", ("by-first", 1))],
+            guard=(move, (2, "version", 1)),
+        )
+        assert first == [1]
+        with pytest.raises(WriteConflict):
+            await other.write(
+                [("INSERT INTO t (k, v) VALUES (?, ?)", ("by-second", 1))],
+                guard=(move, (2, "version", 1)),
+            )
+        assert sorted(await other.fetch("SELECT k, v FROM t")) == [("by-first", 1), ("version", 2)]
+        # Nothing is left open: the loser writes once it read the current version.
+        await other.write(
+            [("INSERT INTO t (k, v) VALUES (?, ?)", ("by-second", 1))],
+            guard=(move, (3, "version", 2)),
+        )
+        assert await db.fetchone("SELECT v FROM t WHERE k = ?", "version") == (3,)
 
 
 @pytest.mark.parametrize("how", ["transaction", "write"])
