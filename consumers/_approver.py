@@ -9,7 +9,10 @@ it dies. With a database (``--db``), the state a decision depends on is durable
 (:mod:`consumers._approver_state`): the process that takes over rebuilds the same fleet view —
 live events and their phases, approvals sent and their versions, hook results, agent identities,
 who is unavailable — and sends again what it cannot be sure went out. Without one, it says at
-start that a failover forgets.
+start that a failover forgets. A takeover hands nothing twice to the handlers: a redelivered
+message the group's state holds was handled by the process before (the stream's ``recall``),
+and a commit moves the state only from the version its process last read or wrote, so the
+process the broker took the queue from commits nothing over the one that took it.
 
 A message is acked only once a crash can no longer lose its decisions. The stream acks a batch
 of messages after awaiting :meth:`ApproverService.commit`. Without a database, that sends the
@@ -50,10 +53,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from schemas import (
     ApprovalOutcomeMessage,
     LifecycleMessage,
+    NewerMessage,
     PublishNotConfirmed,
     RejectReason,
+    SchemaError,
     TransportError,
+    decode,
 )
+from schemas.messages import content_digest
 from schemas.origin import OriginVerifier
 from schemas.transport import Transport
 
@@ -175,6 +182,7 @@ class ApproverService:
             origin=origin,
             verifier=verifier,
             before_ack=self.commit,
+            recall=self._recall,
         )
         self.stream.add_handler(self.handle)
         self._last: dict[str, tuple[str, str]] = {}
@@ -632,6 +640,26 @@ class ApproverService:
             await self._send(unsent)
 
     # ---------------------------------------------------------------------- durable state
+
+    async def _recall(self, message: LifecycleMessage | NewerMessage) -> str | None:
+        """For a redelivered message this process does not remember (the stream's ``recall``):
+        the digest of the message the group's state holds under its id, or None. A process
+        taking over the queue is given again what the one before committed but could not ack;
+        the state holds every message about an open event and each agent's last own message.
+        The state is loaded first when another process wrote since, so what that one left to
+        send goes out (housekeeping) even when nothing this process is given is new."""
+        if self.state is None:
+            return None
+        async with self._lock:
+            if self._staged.empty:  # else this process wrote last: nothing to load
+                await self._sync()
+            raw = await self.state.stored(message.id)
+        if raw is None:
+            return None
+        try:
+            return content_digest(decode(raw))
+        except SchemaError:  # only a downgrade could make a stored message unreadable
+            return ""
 
     async def _sync(self) -> None:
         """Load the state when another process wrote since (a failover) or on first use."""

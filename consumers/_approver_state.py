@@ -10,8 +10,11 @@ approval it cannot be sure went out.
 
 Two approvers of one group share the database; one is active at a time. Every commit moves the
 group's state version; a process that finds a version it did not write loads the state again
-before it decides anything (:meth:`ApproverState.sync`), so a standby that takes over never
-acts on what it knew when it started.
+before it decides anything (the approver's ``_sync``), so a standby that takes over never
+acts on what it knew when it started. A commit moves the version only from the one its process
+read or wrote last (a compare and set), or commits nothing: the process the broker took the
+queue from (its link died; it may not know yet) cannot commit over the one that took over, and
+of two processes that handled one redelivered message, only one commits it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from schemas import (
 )
 
 from ._audit import INSERT_DECISIONS, decision_body
-from ._db import Database, Statement, as_time
+from ._db import Database, Statement, WriteConflict, as_time
 from ._fleet import FleetView, SentApproval
 
 __all__ = ["ApproverState", "Hold", "PendingApproval", "PlannedDecision"]
@@ -155,6 +158,15 @@ class ApproverState:
         self.version = version
         return loaded
 
+    async def stored(self, message_id: str) -> bytes | None:
+        """The message kept under ``message_id``, as received, or None."""
+        row = await self.db.fetchone(
+            "SELECT raw FROM approver_messages WHERE grp = ? AND message_id = ?",
+            self.group,
+            message_id,
+        )
+        return None if row is None else bytes(row[0])
+
     # ------------------------------------------------------------------------------ writing
 
     async def commit(
@@ -169,7 +181,10 @@ class ApproverState:
         """In one transaction: the messages (an agent's own message replaces its previous
         one), the decisions, the approvals as ``sending``, the approvals the broker took since
         (``sent``), what pruned events were made of (``forget``), and a new state version.
-        Rows go in a few multi-row statements, whatever the number of messages."""
+        Rows go in a few multi-row statements, whatever the number of messages.
+
+        Raises :class:`~consumers._db.WriteConflict`, committing nothing, when another process
+        wrote since this one last loaded or wrote (its view is out of date: load it again)."""
         version = f"{self.writer}:{uuid.uuid4().hex[:12]}"
         statements = [
             *self._store_messages(messages),
@@ -206,16 +221,32 @@ class ApproverState:
                     f"DELETE FROM {table} WHERE grp = ? AND event_id", self.group, forget
                 )
             ),
-            (
-                "INSERT INTO central_meta (key, value) VALUES (?, ?) "
-                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                (self._key, version),
-            ),
         ]
+        # The new version replaces the one this process read or wrote last, or nothing is
+        # written: a process that another one took over from (it did not see its link die)
+        # never commits over what that one did.
+        guard: Statement = (
+            (
+                "INSERT INTO central_meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                (self._key, version),
+            )
+            if self.version is None
+            else (
+                "UPDATE central_meta SET value = ? WHERE key = ? AND value = ?",
+                (version, self._key, self.version),
+            )
+        )
         # In one go (on SQLite, one trip to the database's thread): nothing here needs the
         # result of another statement, and an approver under load commits several times a
         # second.
-        await self.db.write(statements)
+        try:
+            await self.db.write(statements, guard=guard)
+        except WriteConflict as exc:
+            raise WriteConflict(
+                f"approver group {self.group}: another process wrote the group's state since "
+                "this one read it (it took over the queue): this batch is not committed, and "
+                "the state is loaded again before the next decision"
+            ) from exc
         self.version = version
 
     def _store_messages(self, messages: Sequence[LifecycleMessage]) -> list[Statement]:

@@ -35,6 +35,9 @@ delivers them once more. A stop lets a commit under way finish and ack its batch
 
 A consumer group scales out by running more processes on the same group name: the broker shares
 the group's queue between them (``exclusive=True``: one active consumer at a time, in order).
+The dedupe window is the process's own; a redelivery it does not know may have been handled by
+another process of the group (the active one whose link died after its commit): ``recall``
+asks the group's durable state about such a message before any handler gets it.
 """
 
 from __future__ import annotations
@@ -162,6 +165,9 @@ class StreamStats:
     conflicts: int = 0
     #: Times the subscription was opened again after a broker failure.
     reconnects: int = 0
+    #: Redeliveries the window did not know that ``recall`` found handled (by another process
+    #: of the group, say): counted in duplicates (or conflicts) too.
+    recalled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +196,12 @@ class FleetStream:
     already handled. ``transient``: read a copy of the stream that exists only while this stream
     is open (see :meth:`~schemas.transport.Transport.subscribe`). ``before_ack``: awaited
     before handled messages are acked (see the module docstring). ``stop_grace``: how long a
-    stop waits for that commit.
+    stop waits for that commit. ``recall``: for a redelivered message the window does not know,
+    what was handled under its id where more than this process remembers (the group's durable
+    state): the digest of that message (:func:`~schemas.messages.content_digest`; ``""``: its
+    content is not known), or None when nothing was. A process that takes over a group's queue
+    is given again what the one before handled and committed but could not ack: with it, that
+    reaches no handler twice.
     """
 
     def __init__(
@@ -213,6 +224,7 @@ class FleetStream:
         newer: Handler | None = None,
         before_ack: Callable[[], Awaitable[None]] | None = None,
         stop_grace: float = 10.0,
+        recall: Callable[[Admitted], Awaitable[str | None]] | None = None,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -231,6 +243,7 @@ class FleetStream:
         self.newer = newer
         self.before_ack = before_ack
         self.stop_grace = stop_grace
+        self.recall = recall
         # Where the transport can ack many deliveries in one frame (or before_ack commits),
         # handled messages are acked in batches of up to ack_batch: ack_interval seconds after
         # the stream ran out of messages to read, or ack_max_delay after the batch's first.
@@ -553,6 +566,11 @@ class FleetStream:
                 if self._broken:
                     return None  # the batch was not acked: this one comes back with it
                 seen = self.dedupe.get(key)
+        if seen is None and self.recall is not None and delivery.delivery_count > 0:
+            seen = await self._recall(message)
+            if seen is not None:
+                self.stats.recalled += 1
+                self.dedupe.add(key, seen)
         if seen is None:
             return message
         if seen and seen != content_digest(message):
@@ -575,6 +593,21 @@ class FleetStream:
         log.debug("group %s: message %s handled already: acked", self.group, message.id)
         await self._settle(delivery.ack(), delivery)
         return None
+
+    async def _recall(self, message: Admitted) -> str | None:
+        """``recall``; when it fails, the message is handled (its handlers judge it again)."""
+        assert self.recall is not None
+        try:
+            return await self.recall(message)
+        except Exception as exc:
+            log.warning(
+                "group %s: could not find out whether redelivered message %s was handled "
+                "already (%s): handling it",
+                self.group,
+                message.id,
+                exc,
+            )
+            return None
 
     async def _bad_input(self, delivery: Delivery, body: bytes, exc: SchemaError) -> None:
         reason = classify_bad_input(body, exc)
@@ -666,7 +699,8 @@ class FleetStream:
                     self.group,
                     len(handled),
                     exc,
-                    exc_info=exc,
+                    # Ours say what happened (a database's refusal, a takeover): no traceback.
+                    exc_info=None if isinstance(exc, RelayError) else exc,
                 )
                 return False
         for key, digest in handled.items():

@@ -464,6 +464,11 @@ class _Seen:
             os.write(self._journal, "".join(self._pending).encode())
             self._pending.clear()
 
+    def discard(self) -> None:
+        """Forget what was handled since the last flush: its commit failed, so it changed
+        nothing and the broker delivers it again."""
+        self._pending.clear()
+
     def report(self) -> dict[str, Any]:
         return {
             "handled": sum(self.ids.values()),
@@ -518,7 +523,11 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
 
             async def commit_then_journal() -> None:
                 began = time.time()
-                await committed()
+                try:
+                    await committed()
+                except BaseException:
+                    seen.discard()
+                    raise
                 seen.flush()
                 _COMMITS.append(time.time() - began)
 

@@ -4,6 +4,7 @@ the first live VM, recorded reasons, a retry elsewhere after a rejection; and th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -13,6 +14,7 @@ from consumers import Action, ApprovalSender, FleetView, NoApprovalTarget, Polic
 from consumers._approver import ApproverService
 from consumers._audit import open_ledger
 from consumers._cli import main
+from consumers._db import WriteConflict, open_database
 from schemas import Approval, ReplyAddress, TransportError, key_id, load_public_keys, verify
 from schemas.approvals import generate_signing_key
 from schemas.messages import AgentMessage, TransitionMessage
@@ -201,6 +203,48 @@ async def test_a_wave_of_approvals_goes_out_without_waiting_for_each_confirm(tmp
         await asyncio.wait_for(runner, 5)
     assert [a.vm for a in approvals] == names
     assert counting.most > 1
+
+
+async def test_an_approver_the_queue_was_taken_from_cannot_commit_over_the_one_that_took_it(
+    transport, tmp_path
+):
+    """Two approvers of one group, one database. The broker gave the queue to the second while
+    the first was still deciding (its link died; it does not know yet), and both judged the
+    same Scheduled event. One approval reaches the VM, not two: the first one's commit finds
+    the group's state moved on and commits nothing (so sends nothing); its next message loads
+    what the other did."""
+    url = f"sqlite:///{tmp_path / 'central.db'}"
+    key = generate_signing_key()
+    now = datetime.now(UTC)
+    beat = heartbeat(vm("web-1"), at=now)
+    scheduled = transition(
+        "scheduled", event("EVT-T", source="User", resources=("web-1",)), vm("web-1"), at=now
+    )
+    ledger = open_ledger(url)
+    async with ledger, open_database(url) as theirs:
+        first = ApproverService(transport, key, db=ledger.db, decided_by="first")
+        second = ApproverService(transport, key, db=theirs, decided_by="second")
+        for message in (beat, scheduled):
+            await first.handle(message)
+        for message in (beat, scheduled):
+            await second.handle(message)
+        await second.commit()
+        with pytest.raises(WriteConflict, match="took over"):
+            await first.commit()
+        got: list[Approval] = []
+        async with transport.approvals("web-1") as approvals:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.5):
+                    async for delivery in approvals:
+                        await delivery.ack()
+                        got.append(Approval.from_bytes(delivery.body))
+        assert [(a.event_id, a.vm) for a in got] == [("EVT-T", "web-1")]
+        await first.handle(heartbeat(vm("web-1"), at=now + timedelta(seconds=1)))
+        await first.commit()  # it read what the other one wrote: its commit goes in
+        state = first.fleet.event("EVT-T")
+        assert state is not None
+        assert state.sent is not None
+        assert state.sent.approval_id == got[0].approval_id
 
 
 class _SlowConfirms(MemoryTransport):

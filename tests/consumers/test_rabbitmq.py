@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -222,3 +224,145 @@ async def test_two_approvers_one_killed_mid_stream_lose_no_decision(
     assert first.returncode == -signal.SIGKILL
     assert "decision on EVT-" in logs[0].read_text()  # the first decided some...
     assert "decision on EVT-" in logs[1].read_text()  # ...and the standby took over
+
+
+def journal(service, handled: Counter[str], *, after=None) -> None:
+    """Count in ``handled`` each message ``service`` committed (then await ``after``)."""
+    pending: list[str] = []
+
+    async def given(message) -> None:
+        pending.append(message.id)
+
+    commit = service.stream.before_ack
+    assert commit is not None
+
+    async def commit_then_count() -> None:
+        try:
+            await commit()
+        except BaseException:
+            pending.clear()  # not committed: they come back
+            raise
+        handled.update(pending)
+        pending.clear()
+        if after is not None:
+            await after()
+
+    service.stream.add_handler(given)
+    service.stream.before_ack = commit_then_count
+
+
+@pytest.mark.slow
+async def test_a_standby_taking_over_a_batch_committed_but_not_acked_handles_none_of_it_again(
+    rabbit, amqp_url, unique, tmp_path
+):
+    """The active approver commits a batch, then its link dies before the ack: the broker gives
+    the batch to the standby (redelivered), which has never seen it. None of it is handled
+    again (the group's state holds it), what the first one handled on its dead link is handled
+    by one of them only, and the approvals the first one could not send go out (same ids)
+    though no message the standby is given is new.
+
+    What a process handled counts once its commit succeeded, as for the services: a handling
+    whose commit failed changed nothing and comes back (the fault storm journals the same)."""
+    from consumers._approver import ApproverService
+    from consumers._db import open_database
+    from consumers._schema import ensure_schema
+    from schemas.approvals import generate_signing_key
+    from tests.transport.proxy import TcpProxy
+
+    count = 20
+    names = [f"vm-{i:02d}" for i in range(count)]
+    rabbit.test_vms.extend(names)
+    key = generate_signing_key()
+    now = datetime.now(UTC)
+    reply = rabbit.channels.approvals_exchange
+    handled: Counter[str] = Counter()  # message id -> times either approver committed it
+
+    databases = [open_database(f"sqlite:///{tmp_path / 'approver.db'}") for _ in range(2)]
+    for database in databases:
+        await database.connect()
+    await ensure_schema(databases[0])
+    received: dict[str, list[Approval]] = {name: [] for name in names}
+    subscriptions = [rabbit.approvals(name) for name in names]
+    for subscription in subscriptions:
+        await subscription.start()
+
+    async def collect(name: str, subscription) -> None:
+        async for delivery in subscription:
+            received[name].append(Approval.from_bytes(delivery.body))
+            await delivery.ack()
+
+    split = urlsplit(amqp_url)
+    runners: list[asyncio.Task[None]] = []
+    services: list[ApproverService] = []
+    async with contextlib.AsyncExitStack() as stack:
+        proxy = await stack.enter_async_context(
+            TcpProxy(split.hostname or "127.0.0.1", split.port or 5672)
+        )
+        proxied = f"amqp://guest:guest@127.0.0.1:{proxy.port}/?reconnect_interval=0.2"
+        for index, (url, database) in enumerate(zip((proxied, amqp_url), databases, strict=True)):
+            transport = await stack.enter_async_context(open_transport(url, rabbit.channels))
+            service = ApproverService(
+                transport, key, db=database, decided_by=f"approver-{'ab'[index]}"
+            )
+            services.append(service)
+        cut = asyncio.Event()
+
+        async def cut_once() -> None:
+            if not cut.is_set():  # the batch is durable; its ack will not reach the broker
+                cut.set()
+                await proxy.cut()
+
+        active, standby = services
+        journal(active, handled, after=cut_once)
+        journal(standby, handled)
+        for service in services:  # the first consumer of the queue is the active one
+            runners.append(asyncio.create_task(service.run()))
+            async with asyncio.timeout(10):
+                while not service.stream.subscribed:  # noqa: ASYNC110 - the stream's flag
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(collect(n, s))
+                    for n, s in zip(names, subscriptions, strict=True)
+                ]
+                for index, name in enumerate(names):
+                    identity = vm(name)
+                    for message in (
+                        heartbeat(identity, at=now, approvals=reply),
+                        transition(
+                            "scheduled",
+                            event(f"EVT-{index:02d}", source="User", resources=(name,)),
+                            identity,
+                            at=now,
+                            approvals=reply,
+                        ),
+                    ):
+                        await rabbit.publish(lifecycle_message(message))
+                async with asyncio.timeout(30):
+                    while not all(received.values()):  # noqa: ASYNC110 - other tasks fill it
+                        await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)  # anything handled twice would be by now
+                for task in tasks:
+                    task.cancel()
+        finally:
+            for service in services:
+                service.stop()
+            await proxy.restore()
+            async with asyncio.timeout(20):
+                await asyncio.gather(*runners, return_exceptions=True)
+            for subscription in subscriptions:
+                await subscription.close()
+            for database in databases:
+                await database.close()
+    assert cut.is_set()
+    assert standby.stream.stats.received > 0, "the standby never took over"
+    assert len(handled) == 2 * count
+    assert {m: n for m, n in handled.items() if n > 1} == {}
+    assert standby.stream.stats.recalled > 0  # given again what the other one committed
+    # Every VM got its event's approval: one id (a copy sent again is the same approval).
+    assert {name: {a.event_id for a in got} for name, got in received.items()} == {
+        name: {f"EVT-{i:02d}"} for i, name in enumerate(names)
+    }
+    assert all(len({a.approval_id for a in got}) == 1 for got in received.values())
