@@ -3,9 +3,12 @@ commit leaves behind (SQLite on a file here, PostgreSQL over its socket)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import pytest
 
-from consumers._db import DatabaseError, WriteConflict, open_database
+from consumers._db import DatabaseError, SqliteDatabase, WriteConflict, open_database
 
 pytestmark = pytest.mark.asyncio
 
@@ -122,3 +125,44 @@ async def test_a_full_database_says_so_and_takes_the_next_write_once_there_is_ro
         await db.fetch("PRAGMA max_page_count = 1000000")
         await db.write([small, large])
         assert sorted(await db.fetch("SELECT k FROM t")) == [("a",), ("b",)]
+
+
+_BLOB = "CREATE TABLE b (k INTEGER PRIMARY KEY, v BLOB NOT NULL);"
+
+
+async def _write_pages(db, pages: int) -> None:
+    """About ``pages`` pages of 4 KiB, 20 rows of 20 KiB a commit (as an approver's batches)."""
+    rows = pages * 4096 // 20_480
+    for _ in range(0, rows, 20):
+        await db.write(
+            [("INSERT INTO b (v) VALUES (?)", (os.urandom(20_480),)) for _row in range(20)]
+        )
+
+
+async def test_a_commit_never_moves_the_log_into_the_database_file_itself(tmp_path):
+    """SQLite's default has the commit that finds 1,000 pages in the write-ahead log copy them
+    into the database file while the service waits for that commit. Here 1,500 pages are
+    committed and none reached the file: that work is the background connection's."""
+    path = tmp_path / "state.db"
+    async with SqliteDatabase(path, checkpoint_every=3600) as db:
+        await db.script(_BLOB)
+        await _write_pages(db, 1500)
+        assert path.stat().st_size < 1_000_000
+        assert tmp_path.joinpath("state.db-wal").stat().st_size > 1500 * 4096
+
+
+async def test_what_is_committed_reaches_the_database_file_within_about_a_second(tmp_path):
+    """The background connection checkpoints every second: 500 pages (under the 1,000 that
+    would have made a commit do it) are in the database file soon after, and the log does not
+    grow past what was written between two checkpoints."""
+    path = tmp_path / "state.db"
+    async with open_database(str(path)) as db:
+        await db.script(_BLOB)
+        for round_ in range(1, 4):
+            await _write_pages(db, 500)
+            async with asyncio.timeout(5):
+                while path.stat().st_size < round_ * 500 * 4096:  # noqa: ASYNC110 - its thread
+                    await asyncio.sleep(0.05)
+        # The log is reused from its start once moved in: it holds about one round, not three.
+        assert tmp_path.joinpath("state.db-wal").stat().st_size < 2 * 500 * 4096 + 100_000
+        assert await db.fetchone("SELECT count(*) FROM b") == (3 * 500 * 4096 // 20_480,)
