@@ -66,7 +66,7 @@ from schemas.transport import Transport
 
 from ._approvals import ApprovalSender, NoApprovalTarget
 from ._approver_state import ApproverState, Hold, PendingApproval, PlannedDecision
-from ._db import Database
+from ._db import Database, DatabaseError
 from ._fleet import EventPhase, EventState, FleetView, Group, SentApproval
 from ._origin import Origin
 from ._policies import Action, PolicySet, Verdict
@@ -201,6 +201,9 @@ class ApproverService:
         #: Event -> the groups and VMs it waits under in those two.
         self._held_on: dict[str, tuple[tuple[Group, ...], tuple[str, ...]]] = {}
         self._unsent: list[PendingApproval] = []
+        #: Why a commit outside the stream's failed with changes of messages it handled (the
+        #: stream's next commit fails then, so those are not acked).
+        self._lost: BaseException | None = None
         #: Committed approvals on their way (with a database, sent while the stream reads on).
         self._sending: set[asyncio.Task[None]] = set()
         #: With a database: what the messages handled since the last commit changed.
@@ -281,9 +284,26 @@ class ApproverService:
         approvals. The stream awaits this before it acks the messages (``before_ack``); when
         it fails, the view is loaded again from the database before the next decision.
         Without a database: send the approvals the messages led to, together, and return once
-        the broker confirmed them all (so a crash before brings the messages back)."""
+        the broker confirmed them all (so a crash before brings the messages back).
+
+        A commit outside the stream's (housekeeping's, the console's) takes along what the
+        messages handled since changed; when it failed, this fails too, so the stream does not
+        ack messages whose changes were never committed."""
         async with self._lock:
-            await self._commit()
+            lost, self._lost = self._lost, None
+            if lost is not None:
+                # Those handled since were decided on a view loaded again: the stream drops
+                # them with the rest of the batch, so their changes go too.
+                self._staged = _Plan()
+                self._loaded = False
+                raise DatabaseError(
+                    f"a commit outside the stream's failed ({lost}) and took along what "
+                    "messages of this batch changed: not acked; the broker delivers them again"
+                ) from lost
+            try:
+                await self._commit()
+            finally:
+                self._lost = None  # the stream learns of this commit's failure itself
 
     async def _settle(self, plan: _Plan, *, commit: bool) -> None:
         """Record what ``plan`` decided and stage it for the next commit (now when ``commit``):
@@ -311,8 +331,10 @@ class ApproverService:
             await self.state.commit(
                 plan.messages, plan.decisions, plan.approvals, sent=plan.sent, forget=plan.forget
             )
-        except BaseException:
+        except BaseException as exc:
             self._loaded = False  # the view holds what was not committed: load it again
+            if plan.messages:  # what the stream handled and will ack is not committed
+                self._lost = exc
             raise
         self._made(plan)
         self._send_detached(plan.approvals)

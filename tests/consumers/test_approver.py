@@ -12,9 +12,10 @@ import pytest
 
 from consumers import Action, ApprovalSender, FleetView, NoApprovalTarget, PolicySet
 from consumers._approver import ApproverService
+from consumers._approver_state import ApproverState
 from consumers._audit import open_ledger
 from consumers._cli import main
-from consumers._db import WriteConflict, open_database
+from consumers._db import DatabaseError, WriteConflict, open_database
 from schemas import Approval, ReplyAddress, TransportError, key_id, load_public_keys, verify
 from schemas.approvals import generate_signing_key
 from schemas.messages import AgentMessage, TransitionMessage
@@ -245,6 +246,57 @@ async def test_an_approver_the_queue_was_taken_from_cannot_commit_over_the_one_t
         assert state is not None
         assert state.sent is not None
         assert state.sent.approval_id == got[0].approval_id
+
+
+async def _approvals_within(transport, name: str, seconds: float) -> list[Approval]:
+    got: list[Approval] = []
+    async with transport.approvals(name) as approvals:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                async for delivery in approvals:
+                    await delivery.ack()
+                    got.append(Approval.from_bytes(delivery.body))
+    return got
+
+
+async def test_a_batch_is_not_acked_when_a_commit_outside_the_stream_lost_what_it_changed(
+    transport, tmp_path
+):
+    """The approver also commits outside the stream's batches (housekeeping: a released hold,
+    a VM's pause over; the console), and such a commit takes along what the messages handled
+    since the last batch changed. When it fails, those changes are gone: the batch's own
+    commit must fail too (the broker delivers its messages again), or they would be acked
+    with their decisions and approvals never made. Here the failure is another writer of the
+    group's state (a takeover); the messages come back and the approval goes out once."""
+    url = f"sqlite:///{tmp_path / 'central.db'}"
+    now = datetime.now(UTC)
+    beat = heartbeat(vm("web-1"), at=now)
+    scheduled = transition(
+        "scheduled", event("EVT-L", source="User", resources=("web-1",)), vm("web-1"), at=now
+    )
+    elsewhere = transition("scheduled", event("EVT-O", resources=("web-2",)), vm("web-2"), at=now)
+    ledger = open_ledger(url)
+    async with ledger, open_database(url) as theirs:
+        service = ApproverService(transport, generate_signing_key(), db=ledger.db)
+        await service.handle(elsewhere)
+        await service.commit()
+        for message in (beat, scheduled):  # a batch under way: handled, not yet committed
+            await service.handle(message)
+        other = ApproverState(theirs, "approver")
+        await other.load(FleetView())
+        await other.commit([], [], [])  # another process wrote the group's state meanwhile
+        other_event = service.fleet.event("EVT-O")
+        assert other_event is not None
+        with pytest.raises(WriteConflict):
+            await service.evaluate(other_event)  # housekeeping's commit: refused
+        with pytest.raises(DatabaseError, match="took along what messages of this batch"):
+            await service.commit()  # so the batch's is: its messages come back
+        assert await _approvals_within(transport, "web-1", 0.5) == []
+        for message in (beat, scheduled):  # the broker delivers them again
+            await service.handle(message)
+        await service.commit()
+        got = await _approvals_within(transport, "web-1", 1.5)
+    assert [(a.event_id, a.vm) for a in got] == [("EVT-L", "web-1")]
 
 
 class _SlowConfirms(MemoryTransport):
