@@ -20,7 +20,10 @@ batch's approvals together (and any a lost link stopped) and returns once the br
 them all, so a crash before brings the messages back to the next active process: one confirm
 round trip a batch, not one an approval. With one, it commits the batch's messages together,
 with their decisions and their approvals as ``sending``: one transaction for up to a batch of
-messages instead of one each. The approvals then go out while the stream reads on, and are
+messages instead of one each. The stream handles the next batch while a batch is being
+written (its ``pipeline``): a commit begun after another expects the state version that one
+writes, so it lands after it or, when that one failed, fails too (and the broker delivers both
+batches again). The approvals then go out while the stream reads on, and are
 marked sent in a later commit; a process that takes over sends again whatever is still
 ``sending`` (an agent applies an approval once, whatever the copies). Holding the stream until
 the broker confirmed each batch's approvals capped a busy approver at one batch per confirm
@@ -181,8 +184,10 @@ class ApproverService:
             exclusive=exclusive,
             origin=origin,
             verifier=verifier,
-            before_ack=self.commit,
+            before_ack=self._stage,
             recall=self._recall,
+            # With a database, the next batch is handled while the last one is written.
+            pipeline=db is not None,
         )
         self.stream.add_handler(self.handle)
         self._last: dict[str, tuple[str, str]] = {}
@@ -204,6 +209,8 @@ class ApproverService:
         #: Why a commit outside the stream's failed with changes of messages it handled (the
         #: stream's next commit fails then, so those are not acked).
         self._lost: BaseException | None = None
+        #: The last commit begun (with a database): its write, under way or done.
+        self._writing: asyncio.Future[None] | None = None
         #: Committed approvals on their way (with a database, sent while the stream reads on).
         self._sending: set[asyncio.Task[None]] = set()
         #: With a database: what the messages handled since the last commit changed.
@@ -281,10 +288,18 @@ class ApproverService:
     async def commit(self) -> None:
         """Commit, in one transaction, what the messages handled since the last commit changed
         (the messages, their decisions, the approvals signed as ``sending``), then send those
-        approvals. The stream awaits this before it acks the messages (``before_ack``); when
-        it fails, the view is loaded again from the database before the next decision.
-        Without a database: send the approvals the messages led to, together, and return once
-        the broker confirmed them all (so a crash before brings the messages back).
+        approvals. When it fails, the view is loaded again from the database before the next
+        decision. Without a database: send the approvals the messages led to, together, and
+        return once the broker confirmed them all (so a crash before brings the messages
+        back)."""
+        written = await self._stage()
+        if written is not None:
+            await written
+
+    async def _stage(self) -> asyncio.Future[None] | None:
+        """The stream's ``before_ack``: :meth:`commit`, returning once what it commits is fixed
+        (with a database: its write is under way, returned; the stream handles the next batch
+        meanwhile and acks this one once it is written).
 
         A commit outside the stream's (housekeeping's, the console's) takes along what the
         messages handled since changed; when it failed, this fails too, so the stream does not
@@ -300,10 +315,12 @@ class ApproverService:
                     f"a commit outside the stream's failed ({lost}) and took along what "
                     "messages of this batch changed: not acked; the broker delivers them again"
                 ) from lost
-            try:
+            if self.state is None:
                 await self._commit()
-            finally:
-                self._lost = None  # the stream learns of this commit's failure itself
+                return None
+            # Written in the background: a commit begun after this one follows it, or fails
+            # with it (the state version it expects is the one this one writes).
+            return self._begin_commit(own=True)
 
     async def _settle(self, plan: _Plan, *, commit: bool) -> None:
         """Record what ``plan`` decided and stage it for the next commit (now when ``commit``):
@@ -318,26 +335,45 @@ class ApproverService:
             await self._commit()
 
     async def _commit(self) -> None:
-        plan, self._staged = self._staged, _Plan()
-        self._holds = None
         if self.state is None:
+            plan, self._staged = self._staged, _Plan()
+            self._holds = None
             # Those a lost link stopped too: the batch is acked only once none is left unsent.
             unsent, self._unsent = self._unsent, []
             await self._send(unsent + plan.approvals)
             return
+        write = self._begin_commit(own=False)
+        if write is not None:
+            await write
+
+    def _begin_commit(self, *, own: bool) -> asyncio.Future[None] | None:
+        """Begin the commit of what is staged (fixed now: what is handled from here on goes in
+        the next one); its write runs in the background, in order after those begun before.
+        Once written, its decisions are recorded and its approvals sent. ``own``: the stream's
+        commit, which learns of its failure itself; another's failure makes the stream's next
+        commit fail (``_lost``)."""
+        assert self.state is not None
+        plan, self._staged = self._staged, _Plan()
+        self._holds = None
         if plan.empty:
-            return
-        try:
-            await self.state.commit(
-                plan.messages, plan.decisions, plan.approvals, sent=plan.sent, forget=plan.forget
-            )
-        except BaseException as exc:
-            self._loaded = False  # the view holds what was not committed: load it again
-            if plan.messages:  # what the stream handled and will ack is not committed
-                self._lost = exc
-            raise
-        self._made(plan)
-        self._send_detached(plan.approvals)
+            return None
+        written = self.state.begin(
+            plan.messages, plan.decisions, plan.approvals, sent=plan.sent, forget=plan.forget
+        )
+
+        async def finish() -> None:
+            try:
+                await written
+            except BaseException as exc:
+                self._loaded = False  # the view holds what was not committed: load it again
+                if plan.messages and not own:  # what the stream handled is not committed
+                    self._lost = exc
+                raise
+            self._made(plan)
+            self._send_detached(plan.approvals)
+
+        write = self._writing = asyncio.ensure_future(finish())
+        return write
 
     # ----------------------------------------------------------------------------- deciding
 
@@ -683,12 +719,28 @@ class ApproverService:
         except SchemaError:  # only a downgrade could make a stored message unreadable
             return ""
 
+    async def _active(self) -> bool:
+        """Whether this process wrote the state last (or read it since the last write): a
+        commit of its own is being written, or the stored version is the one it knows."""
+        assert self.state is not None
+        if not self._loaded:
+            return False
+        writing = self._writing
+        return (writing is not None and not writing.done()) or not await self.state.stale()
+
     async def _sync(self) -> None:
-        """Load the state when another process wrote since (a failover) or on first use."""
+        """Load the state when another process wrote since (a failover), after a failed commit
+        or on first use. Not while a commit of this process is being written: its view is the
+        newest then, and if another process wrote since, that commit fails and the state is
+        loaded at the next message."""
         if self.state is None:
             return
-        if self._loaded and not await self.state.stale():
+        if await self._active():
             return
+        writing = self._writing
+        if writing is not None:  # commits still being written land (or fail) first
+            with contextlib.suppress(Exception):
+                await writing
         started = time.monotonic()
         fleet = FleetView(
             liveness_timeout=self.fleet.liveness_timeout,
@@ -754,13 +806,14 @@ class ApproverService:
             await asyncio.sleep(HOUSEKEEPING_SECONDS)
             try:
                 if self.state is not None:
-                    if not self._loaded or await self.state.stale():
+                    if not await self._active():
                         continue
                     if self._unsent:  # a lost link stopped them; the next message may be far
                         async with self._lock:
                             await self._send_unsent()
                     if not self._staged.empty:  # approvals sent since the last message
-                        await self.commit()
+                        async with self._lock:
+                            await self._commit()
                     holds = set(await self.state.holds())
                     released = self._held - holds
                     self._held = holds

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -185,6 +185,20 @@ class ApproverState:
 
         Raises :class:`~consumers._db.WriteConflict`, committing nothing, when another process
         wrote since this one last loaded or wrote (its view is out of date: load it again)."""
+        await self.begin(messages, decisions, approvals, sent=sent, forget=forget)
+
+    def begin(
+        self,
+        messages: Sequence[LifecycleMessage],
+        decisions: Sequence[PlannedDecision],
+        approvals: Sequence[PendingApproval],
+        *,
+        sent: Sequence[str] = (),
+        forget: Sequence[str] = (),
+    ) -> Awaitable[None]:
+        """:meth:`commit`, its statements made now; await what this returns for the write.
+        A commit begun after this one expects the version this one writes: it follows this
+        one, or fails with it."""
         version = f"{self.writer}:{uuid.uuid4().hex[:12]}"
         statements = [
             *self._store_messages(messages),
@@ -236,6 +250,10 @@ class ApproverState:
                 (version, self._key, self.version),
             )
         )
+        self.version = version
+        return self._write(statements, guard)
+
+    async def _write(self, statements: list[Statement], guard: Statement) -> None:
         # In one go (on SQLite, one trip to the database's thread): nothing here needs the
         # result of another statement, and an approver under load commits several times a
         # second.
@@ -244,10 +262,10 @@ class ApproverState:
         except WriteConflict as exc:
             raise WriteConflict(
                 f"approver group {self.group}: another process wrote the group's state since "
-                "this one read it (it took over the queue): this batch is not committed, and "
-                "the state is loaded again before the next decision"
+                "this one read it (it took over the queue), or a commit before this one "
+                "failed: this batch is not committed, and the state is loaded again before "
+                "the next decision"
             ) from exc
-        self.version = version
 
     def _store_messages(self, messages: Sequence[LifecycleMessage]) -> list[Statement]:
         """The messages, in order; of an agent's own messages (its identity and liveness) only

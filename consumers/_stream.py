@@ -25,7 +25,13 @@ window drops what was handled).
 A handler whose work must be durable before its message is acked can do that work for a whole
 batch at once: ``before_ack`` is awaited before the handled messages waiting for their ack are
 acked (and remembered as handled), so one commit serves up to ``ack_batch`` messages instead of
-one each (the approver with a database: :mod:`consumers._approver`). It is group commit: a batch
+one each (the approver with a database: :mod:`consumers._approver`). It may instead return an
+awaitable for the part that makes the batch durable (a write under way): with ``pipeline`` the
+stream then handles the next batch meanwhile, and acks this one once that awaitable is done.
+What a batch changed is fixed when ``before_ack`` returns. When a commit fails, nothing more is
+acked on that subscription (an ack *through* a later delivery would ack the failed batch too):
+what later commits stored is remembered, the subscription is opened again, and the broker
+delivers the failed batch once more. It is group commit: a batch
 is flushed when it is full, when the stream has nothing more to read (``ack_interval`` after the
 last message handled), or when its first message has waited ``ack_max_delay`` behind a backlog;
 so under a burst each commit serves a full batch, and a lone message is committed at once. When
@@ -170,6 +176,16 @@ class StreamStats:
     recalled: int = 0
 
 
+@dataclass(slots=True)
+class _Step:
+    """Handled deliveries on their way to their ack: what they were (for the dedupe window),
+    and ``before_ack``'s work for them, under way (None: nothing to wait for)."""
+
+    deliveries: list[Delivery]
+    handled: dict[_Key, str]
+    commit: asyncio.Future[None] | None
+
+
 @dataclass(frozen=True, slots=True)
 class _Route:
     filter: MessageFilter
@@ -201,7 +217,8 @@ class FleetStream:
     state): the digest of that message (:func:`~schemas.messages.content_digest`; ``""``: its
     content is not known), or None when nothing was. A process that takes over a group's queue
     is given again what the one before handled and committed but could not ack: with it, that
-    reaches no handler twice.
+    reaches no handler twice. ``pipeline``: the next batch is handled while ``before_ack``
+    commits the last one (see the module docstring).
     """
 
     def __init__(
@@ -222,9 +239,10 @@ class FleetStream:
         origin: Origin | None = None,
         verifier: OriginVerifier | None = None,
         newer: Handler | None = None,
-        before_ack: Callable[[], Awaitable[None]] | None = None,
+        before_ack: Callable[[], Awaitable[Awaitable[None] | None]] | None = None,
         stop_grace: float = 10.0,
         recall: Callable[[Admitted], Awaitable[str | None]] | None = None,
+        pipeline: bool = False,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -244,6 +262,7 @@ class FleetStream:
         self.before_ack = before_ack
         self.stop_grace = stop_grace
         self.recall = recall
+        self.pipeline = pipeline
         # Where the transport can ack many deliveries in one frame (or before_ack commits),
         # handled messages are acked in batches of up to ack_batch: ack_interval seconds after
         # the stream ran out of messages to read, or ack_max_delay after the batch's first.
@@ -256,6 +275,11 @@ class FleetStream:
         self._unacked: list[Delivery] = []
         #: Handled, not yet remembered in the dedupe window (before_ack comes first).
         self._unremembered: dict[_Key, str] = {}
+        #: With ``pipeline``: the batch whose before_ack is under way.
+        self._inflight: _Step | None = None
+        #: A before_ack failed since the subscription was opened: nothing more is acked on it
+        #: (an ack through a later delivery would ack the failed batch's too).
+        self._commit_failed = False
         #: One flush at a time: an ack through a later delivery must not overtake a batch
         #: still waiting for before_ack.
         self._flushing = asyncio.Lock()
@@ -269,6 +293,10 @@ class FleetStream:
         self._current: tuple[Delivery, Admitted] | None = None
         self._stopping = False
         self._waiting = False
+        #: The run loop's wait was interrupted by this stream (see :meth:`_wake`).
+        self._woken = False
+        #: Waiting for the subscription's next delivery.
+        self._receiving = False
         self._run_task: asyncio.Task[Any] | None = None
         self._warned_types: set[str] = set()
         #: The delivery whose message the handlers are given now (its ``sender``, say).
@@ -323,6 +351,7 @@ class FleetStream:
         self._subscription = subscription
         self._iterator = aiter(subscription)
         self._broken = False
+        self._commit_failed = False
 
     async def close(self, *, handled: bool = True) -> None:
         """Stop. The message the iteration returned last is acked when ``handled``, otherwise
@@ -351,9 +380,13 @@ class FleetStream:
         subscription, self._subscription = self._subscription, None
         self._iterator = None
         # Their channel is going: the broker delivers them again, and what was handled is
-        # remembered, so a redelivery is dropped.
+        # remembered (once committed), so a redelivery is dropped.
         async with self._flushing:
-            await self._remember()
+            previous, self._inflight = self._inflight, None
+            if previous is not None:
+                await self._complete(previous, ack=False)
+            handled, self._unremembered = self._unremembered, {}
+            await self._complete(_Step([], handled, await self._begin(handled)), ack=False)
             self._unacked.clear()
         if subscription is not None:
             try:
@@ -378,10 +411,30 @@ class FleetStream:
         """Whether the broker subscription is up (False while it is being opened again)."""
         return self._subscription is not None and not self._broken
 
+    @property
+    def settled(self) -> bool:
+        """Whether it waits for its next delivery with every one handled so far committed and
+        acked (or dropped, to come back)."""
+        return (
+            self._waiting
+            and not self._broken
+            and not self._unacked
+            and not self._unremembered
+            and self._inflight is None
+        )
+
     def stop(self) -> None:
         """Ask :meth:`run` to return after the message in hand (at once when idle)."""
         self._stopping = True
-        if self._waiting and self._run_task is not None and not self._run_task.done():
+        if self._waiting:
+            self._wake()
+
+    def _wake(self) -> None:
+        """Interrupt :meth:`run`'s wait (to stop, or, waiting for a delivery, to open the
+        subscription again after a commit in the background failed: the broker sends nothing
+        more while the prefetch window is full of what it must deliver again)."""
+        if self._run_task is not None and not self._run_task.done():
+            self._woken = True
             self._run_task.cancel()
 
     # ----------------------------------------------------------------------------- receiving
@@ -398,6 +451,7 @@ class FleetStream:
                 await self._reconnect()
                 continue
             try:
+                self._receiving = True
                 delivery = await anext(self._iterator)
             except TransportError as exc:
                 log.warning(
@@ -405,6 +459,8 @@ class FleetStream:
                 )
                 self._broken = True
                 continue
+            finally:
+                self._receiving = False
             self._reopen.reset()
             return delivery
 
@@ -474,9 +530,11 @@ class FleetStream:
                 except StopAsyncIteration:
                     break
                 except asyncio.CancelledError:
-                    task = self._run_task
-                    if self._stopping and task is not None and task.uncancel() == 0:
-                        break
+                    task, woken, self._woken = self._run_task, self._woken, False
+                    if woken and task is not None and task.uncancel() == 0:
+                        if self._stopping:
+                            break
+                        continue  # the subscription is opened again
                     raise
                 finally:
                     self._waiting = False
@@ -558,6 +616,8 @@ class FleetStream:
         seen = self.dedupe.get(key)
         if seen is None:
             seen = self._unremembered.get(key)
+            if seen is None and self._inflight is not None:
+                seen = self._inflight.handled.get(key)
             if seen and self.before_ack is not None and seen != content_digest(message):
                 # Other content under this id was handled in the batch not yet committed, and
                 # the commit may yet refuse it (the audit finds there what contradicts its
@@ -668,63 +728,79 @@ class FleetStream:
     async def _handled(self, delivery: Delivery, message: Admitted, *, batch: bool = False) -> None:
         self._unremembered[(_vm_of(message).casefold(), message.id)] = content_digest(message)
         self.stats.handled += 1
+        if not self._unacked:
+            self._batch_began = time.monotonic()
+        self._unacked.append(delivery)
         later = self.before_ack is not None or _acks_through(delivery)
         if batch and self.ack_batch > 1 and later:
-            if not self._unacked:
-                self._batch_began = time.monotonic()
-            self._unacked.append(delivery)
             # Overdue is checked here too: a backlog may keep this loop from yielding to the
             # flusher.
             if len(self._unacked) >= self.ack_batch or self._overdue():
-                await self._flush()
+                await self._flush(wait=False)
             return
-        if await self._remember():
-            await self._settle(delivery.ack(), delivery)
-        else:
-            self._broken = True
+        await self._flush()
 
-    async def _remember(self) -> bool:
-        """``before_ack``, then remember what was handled; False (nothing remembered) when
-        ``before_ack`` failed."""
-        if not self._unremembered:
-            return True
-        handled, self._unremembered = self._unremembered, {}
-        if self.before_ack is not None:
+    async def _begin(self, handled: dict[_Key, str]) -> asyncio.Future[None] | None:
+        """``before_ack`` for what was handled: what is left to wait for (its failure too)."""
+        if not handled or self.before_ack is None:
+            return None
+        try:
+            durable = await self.before_ack()
+        except Exception as exc:
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+        return None if durable is None else asyncio.ensure_future(durable)
+
+    async def _complete(self, step: _Step, *, ack: bool = True) -> None:
+        """Wait for ``step``'s commit, then remember its messages and ack them. When the
+        commit failed, nothing is remembered and the subscription is opened again (the broker
+        delivers them again); after that, what is committed is remembered but not acked."""
+        if step.commit is not None:
             try:
-                await self.before_ack()
+                await step.commit
             except Exception as exc:  # its messages come back: the broker delivers them again
                 log.error(
                     "group %s: committing %d handled message(s) failed (%s): not acked; the "
                     "subscription is opened again and the broker delivers them again",
                     self.group,
-                    len(handled),
+                    len(step.handled),
                     exc,
                     # Ours say what happened (a database's refusal, a takeover): no traceback.
                     exc_info=None if isinstance(exc, RelayError) else exc,
                 )
-                return False
-        for key, digest in handled.items():
+                self._commit_failed = self._broken = True
+                return
+        for key, digest in step.handled.items():
             self.dedupe.add(key, digest)
-        return True
+        batch = step.deliveries
+        if not ack or not batch or self._commit_failed or self._broken:
+            return
+        last = batch[-1]
+        if isinstance(last, _AcksThrough):
+            await self._settle(last.ack_through(), last)
+            return
+        for delivery in batch:
+            if not await self._settle(delivery.ack(), delivery):
+                return
 
-    async def _flush(self) -> None:
+    async def _flush(self, *, wait: bool = True) -> None:
         """Ack every handled delivery waiting for its batch (in one frame where the transport
-        acks through), after ``before_ack``."""
+        acks through), after ``before_ack``. With ``pipeline`` and not ``wait``, this batch's
+        ``before_ack`` is started and the previous batch's completed: this batch is acked at
+        the next flush."""
         async with self._flushing:
             batch, self._unacked = self._unacked, []
             self._batch_began = None
-            if not await self._remember():
-                self._broken = True
+            handled, self._unremembered = self._unremembered, {}
+            step = _Step(batch, handled, await self._begin(handled))
+            previous, self._inflight = self._inflight, None
+            if previous is not None:
+                await self._complete(previous)
+            if self.pipeline and not wait:
+                self._inflight = step
                 return
-            if not batch:
-                return
-            last = batch[-1]
-            if isinstance(last, _AcksThrough):
-                await self._settle(last.ack_through(), last)
-                return
-            for delivery in batch:
-                if not await self._settle(delivery.ack(), delivery):
-                    return
+            await self._complete(step)
 
     async def _flush_regularly(self) -> None:
         """Flush once the stream waits for its next delivery (nothing left to read: what it
@@ -732,11 +808,26 @@ class FleetStream:
         while a backlog kept the stream reading; a full batch flushes as it fills."""
         while True:
             await asyncio.sleep(self.ack_interval)
-            if self._waiting or self._overdue():
-                # Shielded: a stop, which cancels this task, lets a commit under way finish and
-                # ack its batch (close() waits for it) instead of cutting it off half done.
-                flush = self._background_flush = asyncio.ensure_future(self._flush())
-                await asyncio.shield(flush)
+            idle = self._waiting
+            if idle or self._overdue():
+                flush = asyncio.ensure_future(self._flush(wait=idle))
+            elif self._inflight is not None and _done(self._inflight):
+                flush = asyncio.ensure_future(self._ack_inflight())  # a backlog: read on
+            else:
+                continue
+            # Shielded: a stop, which cancels this task, lets a commit under way finish and
+            # ack its batch (close() waits for it) instead of cutting it off half done.
+            self._background_flush = flush
+            await asyncio.shield(flush)
+            if self._broken and self._receiving and self._waiting:
+                self._wake()
+
+    async def _ack_inflight(self) -> None:
+        """Ack the batch whose commit is done (its room in the prefetch window is free then)."""
+        async with self._flushing:
+            previous, self._inflight = self._inflight, None
+            if previous is not None:
+                await self._complete(previous)
 
     def _overdue(self) -> bool:
         """Whether the first message of the batch waiting for its ack waited ``ack_max_delay``."""
@@ -778,6 +869,10 @@ class FleetStream:
         backoff.attempt = attempt - 1
         await asyncio.sleep(backoff.next())
         await self._settle(delivery.retry(), delivery)
+
+
+def _done(step: _Step) -> bool:
+    return step.commit is None or step.commit.done()
 
 
 def _vm_of(message: Admitted) -> str:

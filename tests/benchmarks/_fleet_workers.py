@@ -460,14 +460,17 @@ class _Seen:
 
     def flush(self) -> None:
         """Append what was handled since the last flush to the journal."""
-        if self._journal is not None and self._pending:
-            os.write(self._journal, "".join(self._pending).encode())
-            self._pending.clear()
+        self.write(self.take())
 
-    def discard(self) -> None:
-        """Forget what was handled since the last flush: its commit failed, so it changed
-        nothing and the broker delivers it again."""
-        self._pending.clear()
+    def take(self) -> list[str]:
+        """What was handled since the last take, for :meth:`write` once it is committed (not
+        at all when its commit failed: it comes back)."""
+        taken, self._pending = self._pending, []
+        return taken
+
+    def write(self, lines: list[str]) -> None:
+        if self._journal is not None and lines:
+            os.write(self._journal, "".join(lines).encode())
 
     def report(self) -> dict[str, Any]:
         return {
@@ -521,15 +524,20 @@ async def run_central(role: str, spec: dict[str, Any]) -> None:
         committed = service.stream.before_ack
         if committed is not None:
 
-            async def commit_then_journal() -> None:
+            async def commit_then_journal() -> asyncio.Future[None]:
+                # What this commit covers is fixed when the stream's before_ack returns; the
+                # approver writes it while the stream reads on (its pipeline).
                 began = time.time()
-                try:
-                    await committed()
-                except BaseException:
-                    seen.discard()
-                    raise
-                seen.flush()
-                _COMMITS.append(time.time() - began)
+                lines = seen.take()
+                durable = await committed()
+
+                async def journal() -> None:
+                    if durable is not None:
+                        await durable
+                    seen.write(lines)
+                    _COMMITS.append(time.time() - began)
+
+                return asyncio.ensure_future(journal())
 
             service.stream.before_ack = commit_then_journal
         sends: list[tuple[float, float]] = []  # (issued -> send began, send began -> confirmed)

@@ -299,6 +299,58 @@ async def test_a_batch_is_not_acked_when_a_commit_outside_the_stream_lost_what_i
     assert [(a.event_id, a.vm) for a in got] == [("EVT-L", "web-1")]
 
 
+async def test_a_burst_read_while_the_last_batch_is_written_approves_each_event_once(
+    transport, tmp_path
+):
+    """With a database the approver handles the next batch while the last one is written
+    (the stream's ``pipeline``). Mid-burst another process writes the group's state (a
+    takeover); the write under way and the one begun after it are refused (each expects the
+    version the one before writes), the view is loaded again and the broker delivers those
+    batches again. Every event is approved, once: one approval id each, whatever the copies."""
+    url = f"sqlite:///{tmp_path / 'central.db'}"
+    ledger = open_ledger(url)
+    async with ledger, open_database(url) as theirs:
+        service = ApproverService(transport, generate_signing_key(), db=ledger.db)
+        assert service.stream.pipeline
+        state = service.state
+        assert state is not None
+        write = state.db.write
+        writes = 0
+
+        async def write_and_meanwhile_another_process(statements, *, guard=None):
+            nonlocal writes
+            writes += 1
+            if writes == 3:
+                other = ApproverState(theirs, "approver")
+                await other.load(FleetView())
+                await other.commit([], [], [])
+            return await write(statements, guard=guard)
+
+        state.db.write = write_and_meanwhile_another_process  # type: ignore[method-assign]
+        names = await _user_reboots(transport, 300)
+        runner = asyncio.create_task(service.run())
+        try:
+            got = {name: await _approvals_within(transport, name, 0.02) for name in names[:1]}
+            async with asyncio.timeout(30):
+                while not all(got.get(name) for name in names):
+                    for name in names:
+                        if not got.get(name):
+                            got[name] = await _approvals_within(transport, name, 0.01)
+        finally:
+            service.stop()
+            await asyncio.wait_for(runner, 10)
+        rows = await ledger.db.fetch(
+            "SELECT event_id, count(DISTINCT approval_id) FROM approver_approvals GROUP BY event_id"
+        )
+    assert writes > 3
+    assert service.stream.stats.reconnects >= 1
+    assert {name: {a.event_id for a in approvals} for name, approvals in got.items()} == {
+        name: {f"EVT-{name}"} for name in names
+    }
+    assert all(len({a.approval_id for a in approvals}) == 1 for approvals in got.values())
+    assert sorted(rows) == sorted((f"EVT-{name}", 1) for name in names)
+
+
 class _SlowConfirms(MemoryTransport):
     """A broker that confirms each approval two seconds after it was sent (a busy broker
     under a fleet's burst; the in-memory broker stands in for it, with that delay added)."""

@@ -237,13 +237,12 @@ def journal(service, handled: Counter[str], *, after=None) -> None:
     assert commit is not None
 
     async def commit_then_count() -> None:
-        try:
-            await commit()
-        except BaseException:
-            pending.clear()  # not committed: they come back
-            raise
-        handled.update(pending)
+        batch = list(pending)  # what this commit covers (the rest is the next one's)
         pending.clear()
+        durable = await commit()
+        if durable is not None:
+            await durable  # failed: not committed, they come back
+        handled.update(batch)
         if after is not None:
             await after()
 
