@@ -153,8 +153,8 @@ async def test_a_commit_never_moves_the_log_into_the_database_file_itself(tmp_pa
 
 async def test_what_is_committed_reaches_the_database_file_within_about_a_second(tmp_path):
     """The background connection checkpoints every second: 500 pages (under the 1,000 that
-    would have made a commit do it) are in the database file soon after, and the log does not
-    grow past what was written between two checkpoints."""
+    would have made a commit do it) are in the database file soon after, and the log is
+    reused rather than growing with everything written."""
     path = tmp_path / "state.db"
     async with open_database(str(path)) as db:
         await db.script(_BLOB)
@@ -163,6 +163,7 @@ async def test_what_is_committed_reaches_the_database_file_within_about_a_second
             async with asyncio.timeout(5):
                 while path.stat().st_size < round_ * 500 * 4096:  # noqa: ASYNC110 - its thread
                     await asyncio.sleep(0.05)
-        # The log is reused from its start once moved in: it holds about one round, not three.
-        assert tmp_path.joinpath("state.db-wal").stat().st_size < 2 * 500 * 4096 + 100_000
+        # The log is reused from its start once all of it was moved in: it never holds all
+        # three rounds (how many it holds depends on when the checkpoints fell).
+        assert tmp_path.joinpath("state.db-wal").stat().st_size < 3 * 500 * 4096
         assert await db.fetchone("SELECT count(*) FROM b") == (3 * 500 * 4096 // 20_480,)
