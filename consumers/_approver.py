@@ -357,7 +357,7 @@ class ApproverService:
         self._holds = None
         if plan.empty:
             return None
-        written = self.state.begin(
+        written = self.state.commit(
             plan.messages, plan.decisions, plan.approvals, sent=plan.sent, forget=plan.forget
         )
 

@@ -169,25 +169,7 @@ class ApproverState:
 
     # ------------------------------------------------------------------------------ writing
 
-    async def commit(
-        self,
-        messages: Sequence[LifecycleMessage],
-        decisions: Sequence[PlannedDecision],
-        approvals: Sequence[PendingApproval],
-        *,
-        sent: Sequence[str] = (),
-        forget: Sequence[str] = (),
-    ) -> None:
-        """In one transaction: the messages (an agent's own message replaces its previous
-        one), the decisions, the approvals as ``sending``, the approvals the broker took since
-        (``sent``), what pruned events were made of (``forget``), and a new state version.
-        Rows go in a few multi-row statements, whatever the number of messages.
-
-        Raises :class:`~consumers._db.WriteConflict`, committing nothing, when another process
-        wrote since this one last loaded or wrote (its view is out of date: load it again)."""
-        await self.begin(messages, decisions, approvals, sent=sent, forget=forget)
-
-    def begin(
+    def commit(
         self,
         messages: Sequence[LifecycleMessage],
         decisions: Sequence[PlannedDecision],
@@ -196,9 +178,16 @@ class ApproverState:
         sent: Sequence[str] = (),
         forget: Sequence[str] = (),
     ) -> Awaitable[None]:
-        """:meth:`commit`, its statements made now; await what this returns for the write.
-        A commit begun after this one expects the version this one writes: it follows this
-        one, or fails with it."""
+        """In one transaction: the messages (an agent's own message replaces its previous
+        one), the decisions, the approvals as ``sending``, the approvals the broker took since
+        (``sent``), what pruned events were made of (``forget``), and a new state version.
+        Rows go in a few multi-row statements, whatever the number of messages.
+
+        Its statements are made now; await what this returns for the write. A commit made after
+        this one expects the version this one writes: it lands after it, or fails with it.
+        The write raises :class:`~consumers._db.WriteConflict`, committing nothing, when another
+        process wrote since this one last loaded or wrote (its view is out of date: load it
+        again)."""
         version = f"{self.writer}:{uuid.uuid4().hex[:12]}"
         statements = [
             *self._store_messages(messages),

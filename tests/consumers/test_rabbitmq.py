@@ -149,6 +149,22 @@ def _approver(amqp_url: str, suffix: str, key: Path, log: Path) -> subprocess.Po
         )
 
 
+async def _approvals_of(rabbit, names: list[str]):
+    """Each VM's approvals queue, subscribed: what arrives there (by VM), the subscriptions,
+    and the coroutine that collects one VM's."""
+    received: dict[str, list[Approval]] = {name: [] for name in names}
+    subscriptions = [rabbit.approvals(name) for name in names]
+    for subscription in subscriptions:
+        await subscription.start()
+
+    async def collect(name: str, subscription) -> None:
+        async for delivery in subscription:
+            received[name].append(Approval.from_bytes(delivery.body))
+            await delivery.ack()
+
+    return received, subscriptions, collect
+
+
 async def _wait_for_text(path: Path, text: str, within: float = 20) -> None:
     async with asyncio.timeout(within):
         while text not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes
@@ -165,15 +181,7 @@ async def test_two_approvers_one_killed_mid_stream_lose_no_decision(
     rabbit.test_vms.extend(names)
     now = datetime.now(UTC)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    received: dict[str, list[Approval]] = {name: [] for name in names}
-    subscriptions = [rabbit.approvals(name) for name in names]
-    for subscription in subscriptions:
-        await subscription.start()
-
-    async def collect(name: str, subscription) -> None:
-        async for delivery in subscription:
-            received[name].append(Approval.from_bytes(delivery.body))
-            await delivery.ack()
+    received, subscriptions, collect = await _approvals_of(rabbit, names)
 
     first = _approver(amqp_url, unique, key, logs[0])
     second = None
@@ -280,15 +288,7 @@ async def test_a_standby_taking_over_a_batch_committed_but_not_acked_handles_non
     for database in databases:
         await database.connect()
     await ensure_schema(databases[0])
-    received: dict[str, list[Approval]] = {name: [] for name in names}
-    subscriptions = [rabbit.approvals(name) for name in names]
-    for subscription in subscriptions:
-        await subscription.start()
-
-    async def collect(name: str, subscription) -> None:
-        async for delivery in subscription:
-            received[name].append(Approval.from_bytes(delivery.body))
-            await delivery.ack()
+    received, subscriptions, collect = await _approvals_of(rabbit, names)
 
     split = urlsplit(amqp_url)
     runners: list[asyncio.Task[None]] = []
