@@ -69,7 +69,7 @@ from schemas.transport import Transport
 
 from ._approvals import ApprovalSender, NoApprovalTarget
 from ._approver_state import ApproverState, Hold, PendingApproval, PlannedDecision
-from ._db import Database, DatabaseError
+from ._db import Database, DatabaseError, WriteConflict
 from ._fleet import EventPhase, EventState, FleetView, Group, SentApproval
 from ._origin import Origin
 from ._policies import Action, PolicySet, Verdict
@@ -360,9 +360,20 @@ class ApproverService:
         written = self.state.commit(
             plan.messages, plan.decisions, plan.approvals, sent=plan.sent, forget=plan.forget
         )
+        before = self._writing
 
         async def finish() -> None:
             try:
+                if before is not None and not before.done():
+                    # In the order begun: on PostgreSQL's pool a later write could reach the
+                    # database first and find the version it expects not yet written.
+                    await asyncio.wait([before])
+                    if not before.cancelled() and before.exception() is not None:
+                        written.close()  # never sent: it expects what that one did not write
+                        raise WriteConflict(
+                            f"approver group {self.stream.group}: a commit before this one "
+                            f"failed ({before.exception()}): this one is not written either"
+                        )
                 await written
             except BaseException as exc:
                 self._loaded = False  # the view holds what was not committed: load it again

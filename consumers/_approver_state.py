@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -177,7 +177,7 @@ class ApproverState:
         *,
         sent: Sequence[str] = (),
         forget: Sequence[str] = (),
-    ) -> Awaitable[None]:
+    ) -> Coroutine[object, object, None]:
         """In one transaction: the messages (an agent's own message replaces its previous
         one), the decisions, the approvals as ``sending``, the approvals the broker took since
         (``sent``), what pruned events were made of (``forget``), and a new state version.
