@@ -299,13 +299,6 @@ async def test_a_batch_is_not_acked_when_a_commit_outside_the_stream_lost_what_i
     assert [(a.event_id, a.vm) for a in got] == [("EVT-L", "web-1")]
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def state_url(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'central.db'}"
-    return request.getfixturevalue("postgres_url")  # a scratch database, dropped afterwards
-
-
 async def test_a_burst_read_while_the_last_batch_is_written_approves_each_event_once(
     transport, state_url
 ):

@@ -260,7 +260,7 @@ def journal(service, handled: Counter[str], *, after=None) -> None:
 
 @pytest.mark.slow
 async def test_a_standby_taking_over_a_batch_committed_but_not_acked_handles_none_of_it_again(
-    rabbit, amqp_url, unique, tmp_path
+    rabbit, amqp_url, unique, state_url
 ):
     """The active approver commits a batch, then its link dies before the ack: the broker gives
     the batch to the standby (redelivered), which has never seen it. None of it is handled
@@ -284,7 +284,7 @@ async def test_a_standby_taking_over_a_batch_committed_but_not_acked_handles_non
     reply = rabbit.channels.approvals_exchange
     handled: Counter[str] = Counter()  # message id -> times either approver committed it
 
-    databases = [open_database(f"sqlite:///{tmp_path / 'approver.db'}") for _ in range(2)]
+    databases = [open_database(state_url) for _ in range(2)]
     for database in databases:
         await database.connect()
     await ensure_schema(databases[0])
