@@ -73,7 +73,7 @@ from ._db import Database, DatabaseError, WriteConflict
 from ._fleet import EventPhase, EventState, FleetView, Group, SentApproval
 from ._origin import Origin
 from ._policies import Action, PolicySet, Verdict
-from ._stream import FleetStream
+from ._stream import FleetStream, _vm_of
 
 __all__ = ["ApproverService", "Decision"]
 
@@ -712,9 +712,9 @@ class ApproverService:
 
     async def _recall(self, message: LifecycleMessage | NewerMessage) -> str | None:
         """For a redelivered message this process does not remember (the stream's ``recall``):
-        the digest of the message the group's state holds under its id, or None. A process
-        taking over the queue is given again what the one before committed but could not ack;
-        the state holds every message about an open event and each agent's last own message.
+        the digest of the message the group's state holds from its VM under its id, or None. A
+        process taking over the queue is given again what the one before committed but could not
+        ack; the state holds every message about an open event and each agent's last own message.
         The state is loaded first when another process wrote since, so what that one left to
         send goes out (housekeeping) even when nothing this process is given is new."""
         if self.state is None:
@@ -722,7 +722,7 @@ class ApproverService:
         async with self._lock:
             if self._staged.empty:  # else this process wrote last: nothing to load
                 await self._sync()
-            raw = await self.state.stored(message.id)
+            raw = await self.state.stored(_vm_of(message), message.id)
         if raw is None:
             return None
         try:

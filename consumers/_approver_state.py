@@ -158,12 +158,14 @@ class ApproverState:
         self.version = version
         return loaded
 
-    async def stored(self, message_id: str) -> bytes | None:
-        """The message kept under ``message_id``, as received, or None."""
+    async def stored(self, vm: str, message_id: str) -> bytes | None:
+        """The message VM ``vm`` sent under ``message_id``, as received, or None. Ids are the
+        senders' own: another VM's message under the same id is not this one."""
         row = await self.db.fetchone(
-            "SELECT raw FROM approver_messages WHERE grp = ? AND message_id = ?",
+            "SELECT raw FROM approver_messages WHERE grp = ? AND message_id = ? AND vm = ?",
             self.group,
             message_id,
+            vm.casefold(),
         )
         return None if row is None else bytes(row[0])
 

@@ -18,7 +18,7 @@ from consumers._cli import main
 from consumers._db import DatabaseError, WriteConflict, open_database
 from schemas import Approval, ReplyAddress, TransportError, key_id, load_public_keys, verify
 from schemas.approvals import generate_signing_key
-from schemas.messages import AgentMessage, TransitionMessage
+from schemas.messages import AgentMessage, TransitionMessage, content_digest
 from schemas.transport import MemoryTransport, OutgoingMessage
 from schemas.wire import lifecycle_message
 
@@ -619,3 +619,25 @@ async def test_an_announced_reply_address_never_redirects_an_approval(transport,
     assert not runner.done()
     service.stop()
     await asyncio.wait_for(runner, 2)
+
+
+async def test_a_redelivered_message_is_recalled_only_from_its_own_vm(transport, tmp_path):
+    """Message ids are the senders' own, and a VM can compute another's (they are derived from
+    what the message says). After a takeover, the messages the standby is given again are
+    looked up in the group's state: a message another VM stored under the same id first must
+    not make a VM's own message look handled, nor contradict it (it would be dead-lettered as an
+    id conflict instead of handled)."""
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'central.db'}")
+    async with ledger:
+        service = ApproverService(transport, generate_signing_key(), db=ledger.db)
+        now = datetime.now(UTC)
+        own = transition("scheduled", event("EVT-Y", resources=("web-y",)), vm("web-y"), at=now)
+        squatter = transition(
+            "scheduled", event("EVT-X", resources=("web-x",)), vm("web-x"), at=now
+        ).model_copy(update={"id": own.id})
+        await service.handle(squatter)
+        await service.commit()
+        recall = service.stream.recall
+        assert recall is not None
+        assert await recall(own) is None  # not handled: web-y's message is handled when it comes
+        assert await recall(squatter) == content_digest(squatter)  # web-x's own: handled
