@@ -366,7 +366,8 @@ class ApproverService:
             try:
                 if before is not None and not before.done():
                     # In the order begun: on PostgreSQL's pool a later write could reach the
-                    # database first and find the version it expects not yet written.
+                    # database first and find the version it expects not yet written. (One
+                    # that failed before this began is the past: the view was loaded since.)
                     await asyncio.wait([before])
                     if not before.cancelled() and before.exception() is not None:
                         written.close()  # never sent: it expects what that one did not write
