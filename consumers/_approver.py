@@ -366,8 +366,9 @@ class ApproverService:
             try:
                 if before is not None and not before.done():
                     # In the order begun: on PostgreSQL's pool a later write could reach the
-                    # database first and find the version it expects not yet written. (One
-                    # that failed before this began is the past: the view was loaded since.)
+                    # database first and find the version it expects not yet written. One that
+                    # failed before this began needs no wait: made on the view it left, this
+                    # one is refused by the database's guard; made after a reload, it goes in.
                     await asyncio.wait([before])
                     if not before.cancelled() and before.exception() is not None:
                         written.close()  # never sent: it expects what that one did not write
