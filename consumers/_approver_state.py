@@ -282,7 +282,7 @@ class ApproverState:
             *_insert(
                 "INSERT INTO approver_messages (grp, message_id, event_id, vm, raw)",
                 rows,
-                "ON CONFLICT (grp, message_id) DO NOTHING",
+                "ON CONFLICT (grp, vm, message_id) DO NOTHING",
             ),
         ]
 

@@ -93,7 +93,7 @@ class LedgerEntry:
 _INSERT_MESSAGES = (
     "INSERT INTO ledger_messages (message_id, time, kind, source, vm, event_id, event_type, "
     "sequence, body, received_at, sender, schemaversion, raw) VALUES {rows} "
-    "ON CONFLICT (message_id) DO NOTHING RETURNING message_id"
+    "ON CONFLICT (lower(vm), message_id) DO NOTHING RETURNING vm, message_id"
 )
 _ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 #: Rows per INSERT statement (13 values each: well under either database's parameter limit).
@@ -169,18 +169,21 @@ class Ledger(AsyncResource):
         """Record messages (each with its ``sender``) in one statement per
         ``_ROWS_PER_INSERT``, so a burst costs the database one commit per statement rather
         than one per message; what became of each, in order."""
-        inserted: set[str] = set()
+        # A message is known by its VM and its id: ids are the senders' own, and one VM's
+        # message under another's id must not keep that one's out.
+        inserted: set[tuple[str, str]] = set()
         for start in range(0, len(messages), _ROWS_PER_INSERT):
             chunk = messages[start : start + _ROWS_PER_INSERT]
             values = [value for message, sender in chunk for value in _row(message, sender)]
             sql = _INSERT_MESSAGES.format(rows=", ".join([_ROW] * len(chunk)))
             # RETURNING names the rows that are new, in the same trip as the insert.
-            inserted.update(row[0] for row in await self.db.fetch(sql, *values))
+            inserted.update((row[0], row[1]) for row in await self.db.fetch(sql, *values))
         results: list[Appended] = []
-        first: set[str] = set()
+        first: set[tuple[str, str]] = set()
         for message, _ in messages:
-            if message.id in inserted and message.id not in first:
-                first.add(message.id)
+            key = (_vm_of(message), message.id)
+            if key in inserted and key not in first:
+                first.add(key)
                 results.append(Appended.NEW)
                 continue
             found = await self.recorded(message)
@@ -192,10 +195,12 @@ class Ledger(AsyncResource):
         return results
 
     async def recorded(self, message: LifecycleMessage | NewerMessage) -> Appended:
-        """How ``message`` compares with what the ledger holds under its id: NEW (nothing),
-        DUPLICATE (the same content) or CONFLICT (other content)."""
+        """How ``message`` compares with what the ledger holds under its VM and id: NEW
+        (nothing), DUPLICATE (the same content) or CONFLICT (other content)."""
         found = await self.db.fetchone(
-            "SELECT raw, body FROM ledger_messages WHERE message_id = ?", message.id
+            "SELECT raw, body FROM ledger_messages WHERE lower(vm) = lower(?) AND message_id = ?",
+            _vm_of(message),
+            message.id,
         )
         if found is None:
             return Appended.NEW
@@ -312,6 +317,10 @@ class Ledger(AsyncResource):
     async def count(self) -> int:
         row = await self.db.fetchone("SELECT count(*) FROM ledger_messages")
         return 0 if row is None else int(row[0])
+
+
+def _vm_of(message: LifecycleMessage | NewerMessage) -> str:
+    return message.vm_name if isinstance(message, NewerMessage) else message.vm.name
 
 
 def _row(message: LifecycleMessage | NewerMessage, sender: str | None) -> tuple[object, ...]:

@@ -37,8 +37,9 @@ __all__ = ["SCHEMA_VERSION", "ensure_schema", "grant", "schema_version"]
 log = logging.getLogger(__name__)
 
 #: 1: the ledger of 0.1; 2: raw bytes, sender and schema version of each message, the
-#: approver's durable state, holds.
-SCHEMA_VERSION = 2
+#: approver's durable state, holds; 3: a message is unique by its VM and its id, not its id
+#: alone (ids are the senders' own: one VM's message must not keep another's out).
+SCHEMA_VERSION = 3
 
 # The approver's tables, the same in both dialects but for the types.
 _APPROVER = """
@@ -48,9 +49,10 @@ CREATE TABLE IF NOT EXISTS approver_messages (
     message_id  TEXT NOT NULL,
     event_id    TEXT,
     vm          TEXT NOT NULL,
-    raw         {blob} NOT NULL,
-    UNIQUE (grp, message_id)
+    raw         {blob} NOT NULL
 );
+-- vm is stored case-folded by the approver.
+CREATE UNIQUE INDEX IF NOT EXISTS approver_messages_id ON approver_messages (grp, vm, message_id);
 CREATE INDEX IF NOT EXISTS approver_messages_event ON approver_messages (grp, event_id);
 CREATE INDEX IF NOT EXISTS approver_messages_vm ON approver_messages (grp, vm, event_id);
 CREATE TABLE IF NOT EXISTS approver_approvals (
@@ -79,7 +81,7 @@ _SQLITE = """
 CREATE TABLE IF NOT EXISTS central_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS ledger_messages (
     position      INTEGER PRIMARY KEY AUTOINCREMENT,
-    message_id    TEXT NOT NULL UNIQUE,
+    message_id    TEXT NOT NULL,
     time          TEXT NOT NULL,
     kind          TEXT NOT NULL,
     source        TEXT NOT NULL,
@@ -93,6 +95,7 @@ CREATE TABLE IF NOT EXISTS ledger_messages (
     schemaversion TEXT,
     raw           BLOB
 );
+CREATE UNIQUE INDEX IF NOT EXISTS ledger_messages_id ON ledger_messages (lower(vm), message_id);
 CREATE INDEX IF NOT EXISTS ledger_messages_vm ON ledger_messages (vm, time);
 CREATE INDEX IF NOT EXISTS ledger_messages_event ON ledger_messages (event_id, time);
 CREATE INDEX IF NOT EXISTS ledger_messages_time ON ledger_messages (time);
@@ -117,7 +120,8 @@ BEGIN SELECT RAISE(ABORT, 'the audit ledger is append-only'); END;
 -- would replace a row (same message id or position) is ignored instead.
 CREATE TRIGGER IF NOT EXISTS ledger_messages_no_replace BEFORE INSERT ON ledger_messages
 WHEN EXISTS (SELECT 1 FROM ledger_messages
-             WHERE message_id = NEW.message_id OR position = NEW.position)
+             WHERE (lower(vm) = lower(NEW.vm) AND message_id = NEW.message_id)
+             OR position = NEW.position)
 BEGIN SELECT RAISE(IGNORE); END;
 CREATE TRIGGER IF NOT EXISTS ledger_decisions_no_replace BEFORE INSERT ON ledger_decisions
 WHEN EXISTS (SELECT 1 FROM ledger_decisions WHERE position = NEW.position)
@@ -128,7 +132,7 @@ _POSTGRES = """
 CREATE TABLE IF NOT EXISTS central_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS ledger_messages (
     position      BIGSERIAL PRIMARY KEY,
-    message_id    TEXT NOT NULL UNIQUE,
+    message_id    TEXT NOT NULL,
     time          TIMESTAMPTZ NOT NULL,
     kind          TEXT NOT NULL,
     source        TEXT NOT NULL,
@@ -142,6 +146,9 @@ CREATE TABLE IF NOT EXISTS ledger_messages (
 ALTER TABLE ledger_messages ADD COLUMN IF NOT EXISTS sender TEXT;
 ALTER TABLE ledger_messages ADD COLUMN IF NOT EXISTS schemaversion TEXT;
 ALTER TABLE ledger_messages ADD COLUMN IF NOT EXISTS raw BYTEA;
+-- 2 made message_id unique alone.
+ALTER TABLE ledger_messages DROP CONSTRAINT IF EXISTS ledger_messages_message_id_key;
+CREATE UNIQUE INDEX IF NOT EXISTS ledger_messages_id ON ledger_messages (lower(vm), message_id);
 CREATE INDEX IF NOT EXISTS ledger_messages_vm ON ledger_messages (lower(vm), time);
 CREATE INDEX IF NOT EXISTS ledger_messages_event ON ledger_messages (event_id, time);
 CREATE INDEX IF NOT EXISTS ledger_messages_time ON ledger_messages (time);
@@ -178,6 +185,11 @@ END $$;
 
 _SQLITE += _APPROVER.format(serial="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB", time="TEXT")
 _POSTGRES += _APPROVER.format(serial="BIGSERIAL PRIMARY KEY", blob="BYTEA", time="TIMESTAMPTZ")
+# 2 made a message unique by its group and id alone.
+_POSTGRES += (
+    "ALTER TABLE approver_messages "
+    "DROP CONSTRAINT IF EXISTS approver_messages_grp_message_id_key;\n"
+)
 
 # SQLite's ALTER TABLE has no IF NOT EXISTS: the columns 2 added to a ledger of 1, one by one.
 _SQLITE_V2_COLUMNS = (("sender", "TEXT"), ("schemaversion", "TEXT"), ("raw", "BLOB"))
@@ -238,9 +250,13 @@ async def ensure_schema(db: Database, *, create: bool = True) -> None:
 
 
 _VERSION_ROW = (
-    "INSERT INTO central_meta (key, value) VALUES ('schema_version', '2') "
+    f"INSERT INTO central_meta (key, value) VALUES ('schema_version', '{SCHEMA_VERSION}') "
     "ON CONFLICT (key) DO UPDATE SET value = excluded.value;"
 )
+
+#: The tables whose uniqueness 3 changed: SQLite cannot drop a constraint, so they are copied
+#: into tables made as 3 makes them.
+_SQLITE_REBUILT = ("ledger_messages", "approver_messages")
 
 
 async def _sqlite_upgrade(db: Database, found: int | None) -> None:
@@ -250,7 +266,43 @@ async def _sqlite_upgrade(db: Database, found: int | None) -> None:
             for name, kind in _SQLITE_V2_COLUMNS:
                 if name not in columns:
                     await tx.execute(f"ALTER TABLE ledger_messages ADD COLUMN {name} {kind}")
-    await db.script(f"{_SQLITE}\n{_VERSION_ROW}")
+    rebuild = ""
+    if found is not None and found < 3:
+        tables = {row[0] for row in await db.fetch("SELECT name FROM sqlite_master")}
+        rebuilt = [table for table in _SQLITE_REBUILT if table in tables]
+        if rebuilt:
+            log.info(
+                "upgrading %s from schema version %d: copying %s into tables of version %d "
+                "(one transaction; the services wait for it)",
+                db.display,
+                found,
+                " and ".join(rebuilt),
+                SCHEMA_VERSION,
+            )
+        rebuild = "".join(_sqlite_rebuild(table) for table in rebuilt)
+    # One transaction: the copies, then the indexes and triggers of the tables made anew.
+    await db.script(f"{rebuild}{_SQLITE}\n{_VERSION_ROW}")
+
+
+def _sqlite_rebuild(table: str) -> str:
+    """SQL that replaces ``table`` by a copy made as :data:`_SQLITE` makes it (its rows, their
+    positions, and the autoincrement counter kept); its indexes and triggers go with the old
+    table and :data:`_SQLITE` makes them again."""
+    match = re.search(rf"CREATE TABLE IF NOT EXISTS {table} \((.*?)\n\);", _SQLITE, re.DOTALL)
+    assert match is not None, table
+    body = match.group(1)
+    columns = ", ".join(
+        line.split()[0]
+        for line in body.strip().splitlines()
+        if line.strip() and not line.strip().startswith(("UNIQUE", "PRIMARY", "--"))
+    )
+    new = f"{table}_rebuilt"
+    return (
+        f"CREATE TABLE {new} ({body}\n);\n"
+        f"INSERT INTO {new} ({columns}) SELECT {columns} FROM {table};\n"
+        f"DROP TABLE {table};\n"
+        f"ALTER TABLE {new} RENAME TO {table};\n"
+    )
 
 
 _ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")

@@ -641,3 +641,31 @@ async def test_a_redelivered_message_is_recalled_only_from_its_own_vm(transport,
         assert recall is not None
         assert await recall(own) is None  # not handled: web-y's message is handled when it comes
         assert await recall(squatter) == content_digest(squatter)  # web-x's own: handled
+
+
+async def test_a_message_under_an_id_another_vm_stored_first_is_in_the_standbys_view(
+    transport, state_url
+):
+    """A VM that sends a message under another VM's id first (ids can be computed from what a
+    message says) must not keep that VM's own message out of the group's state: the standby
+    that takes over rebuilds its view from the state, and would not know the event."""
+    async with open_ledger(state_url) as ledger:
+        service = ApproverService(transport, generate_signing_key(), db=ledger.db)
+        now = datetime.now(UTC)
+        own = transition("scheduled", event("EVT-Y", resources=("web-y",)), vm("web-y"), at=now)
+        squatter = transition(
+            "scheduled", event("EVT-X", resources=("web-x",)), vm("web-x"), at=now
+        ).model_copy(update={"id": own.id})
+        for message in (squatter, own):
+            await service.handle(message)
+            await service.commit()
+        standby = FleetView()
+        await ApproverState(ledger.db, "approver").load(standby)
+        recall = service.stream.recall
+        assert recall is not None
+        recalled = await recall(own)
+    assert {s.event_id for s in standby.events(open_only=True)} == {"EVT-X", "EVT-Y"}
+    evt_y = standby.event("EVT-Y")
+    assert evt_y is not None
+    assert set(evt_y.reports) == {"web-y"}
+    assert recalled == content_digest(own)

@@ -338,3 +338,25 @@ async def test_a_stop_waits_for_a_hung_commit_only_so_long(tmp_path):
     messages, stored, left = await _stop_while_committing(tmp_path, hung, stop_grace=0.5)
     assert stored == 0
     assert left == len(messages)
+
+
+async def test_a_message_under_an_id_another_vm_used_first_is_recorded_too(ledger_url):
+    """Ids are the senders' own, and a VM can compute another's (they are derived from what a
+    message says). A VM that records a message under another VM's id first must not keep that
+    VM's own message out of the ledger: each VM's messages are told apart by the VM and the id,
+    as the stream's dedupe window tells them apart."""
+    messages = scenario()
+    own = messages[2]  # web-2's scheduled
+    squatter = messages[1].model_copy(update={"id": own.id})  # web-1's, under web-2's id
+    async with open_ledger(ledger_url) as ledger:
+        assert await ledger.append(squatter) is Appended.NEW
+        assert await ledger.append(own) is Appended.NEW
+        assert await ledger.append(own) is Appended.DUPLICATE  # a copy is still a copy
+        web2 = await ledger.history(vm="web-2")
+        web1 = await ledger.history(vm="WEB-1")
+    assert [(e.kind, e.message_id) for e in web2 if e.record == "message"] == [
+        ("scheduled", own.id)
+    ]
+    assert [(e.kind, e.message_id) for e in web1 if e.record == "message"] == [
+        ("scheduled", own.id)
+    ]
