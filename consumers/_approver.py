@@ -73,7 +73,7 @@ from ._db import Database, DatabaseError, WriteConflict
 from ._fleet import EventPhase, EventState, FleetView, Group, SentApproval
 from ._origin import Origin
 from ._policies import Action, PolicySet, Verdict
-from ._stream import FleetStream, _vm_of
+from ._stream import FleetStream, vm_of
 
 __all__ = ["ApproverService", "Decision"]
 
@@ -724,7 +724,7 @@ class ApproverService:
         async with self._lock:
             if self._staged.empty:  # else this process wrote last: nothing to load
                 await self._sync()
-            raw = await self.state.stored(_vm_of(message), message.id)
+            raw = await self.state.stored(vm_of(message), message.id)
         if raw is None:
             return None
         try:

@@ -41,6 +41,7 @@ from schemas.transport import AsyncResource
 
 from ._db import Database, DatabaseError, as_time, open_database
 from ._schema import ensure_schema
+from ._stream import vm_of
 
 __all__ = ["Appended", "Ledger", "LedgerEntry", "open_ledger"]
 
@@ -181,7 +182,7 @@ class Ledger(AsyncResource):
         results: list[Appended] = []
         first: set[tuple[str, str]] = set()
         for message, _ in messages:
-            key = (_vm_of(message), message.id)
+            key = (vm_of(message), message.id)
             if key in inserted and key not in first:
                 first.add(key)
                 results.append(Appended.NEW)
@@ -199,7 +200,7 @@ class Ledger(AsyncResource):
         (nothing), DUPLICATE (the same content) or CONFLICT (other content)."""
         found = await self.db.fetchone(
             "SELECT raw, body FROM ledger_messages WHERE lower(vm) = lower(?) AND message_id = ?",
-            _vm_of(message),
+            vm_of(message),
             message.id,
         )
         if found is None:
@@ -317,10 +318,6 @@ class Ledger(AsyncResource):
     async def count(self) -> int:
         row = await self.db.fetchone("SELECT count(*) FROM ledger_messages")
         return 0 if row is None else int(row[0])
-
-
-def _vm_of(message: LifecycleMessage | NewerMessage) -> str:
-    return message.vm_name if isinstance(message, NewerMessage) else message.vm.name
 
 
 def _row(message: LifecycleMessage | NewerMessage, sender: str | None) -> tuple[object, ...]:

@@ -25,7 +25,7 @@ from schemas.transport import Transport
 
 from ._audit import Appended, Ledger
 from ._origin import Origin
-from ._stream import DeadLetterReason, FleetStream, Rejected
+from ._stream import DeadLetterReason, FleetStream, Rejected, vm_of
 
 __all__ = ["AuditService"]
 
@@ -61,16 +61,17 @@ class AuditService:
         self.conflicts = 0
         #: Handled, to be stored before their batch is acked.
         self._pending: list[tuple[LifecycleMessage | NewerMessage, str | None]] = []
-        #: Ids found contradicting the ledger in a batch that was then not acked.
-        self._contradicting: set[str] = set()
+        #: (VM, id) of messages found contradicting the ledger in a batch then not acked.
+        self._contradicting: set[tuple[str, str]] = set()
 
     async def handle(self, message: LifecycleMessage | NewerMessage) -> None:
         delivery = self.stream.current_delivery
         sender = None if delivery is None else delivery.sender
         redelivered = delivery is not None and delivery.delivery_count > 0
-        if redelivered or message.id in self._contradicting:
+        key = (vm_of(message).casefold(), message.id)
+        if redelivered or key in self._contradicting:
             # It may be recorded already: compare it with the ledger now, alone.
-            self._contradicting.discard(message.id)
+            self._contradicting.discard(key)
             result = await self.ledger.recorded(message)
             if result is Appended.DUPLICATE:
                 return
@@ -95,16 +96,16 @@ class AuditService:
         results = await self.ledger.append_many(batch)
         self.appended += results.count(Appended.NEW)
         contradicting = [
-            message.id
+            message
             for (message, _), result in zip(batch, results, strict=True)
             if result is Appended.CONFLICT
         ]
         if contradicting:
-            self._contradicting.update(contradicting)
+            self._contradicting.update((vm_of(m).casefold(), m.id) for m in contradicting)
             raise LedgerConflict(
                 f"{len(contradicting)} message(s) of this batch say something else than the "
-                f"ledger holds under their ids ({', '.join(contradicting[:5])}): the batch is "
-                "not acked; when the broker delivers it again they are dead-lettered "
+                f"ledger holds under their ids ({', '.join(m.id for m in contradicting[:5])}): "
+                "the batch is not acked; when the broker delivers it again they are dead-lettered "
                 "(id-conflict) and the rest acked (recorded already)"
             )
 

@@ -118,8 +118,9 @@ class EventState:
     reports: dict[str, VmReport] = field(default_factory=dict)
     #: Hook results by VM (name casefolded), then by ``transition/hook``.
     hooks: dict[str, dict[str, HookResultMessage]] = field(default_factory=dict)
-    #: ``approval.applied`` / ``approval.rejected`` outcomes by message id, in arrival order.
-    outcomes: dict[str, ApprovalOutcomeMessage] = field(default_factory=dict)
+    #: ``approval.applied`` / ``approval.rejected`` outcomes by (VM casefolded, message id), in
+    #: arrival order: ids are the senders' own, so one VM's must not replace another's.
+    outcomes: dict[tuple[str, str], ApprovalOutcomeMessage] = field(default_factory=dict)
     #: The approval the approver signed last (set by the approver service).
     sent: SentApproval | None = None
     #: :func:`~schemas.event_version` of ``event`` (kept with it).
@@ -286,7 +287,7 @@ class FleetView:
             if state is None and event is not None:
                 state = self._state_for(event, message.time)
             if state is not None:
-                state.outcomes[message.id] = message
+                state.outcomes[(message.vm.name.casefold(), message.id)] = message
         if state is not None:
             self.refresh(state)
         return state

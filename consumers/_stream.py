@@ -604,7 +604,7 @@ class FleetStream:
                     "(origin-mismatch): %s",
                     self.group,
                     message.id,
-                    _vm_of(message),
+                    vm_of(message),
                     delivery.sender,
                     exc,
                 )
@@ -612,7 +612,7 @@ class FleetStream:
                     delivery, DeadLetterReason.ORIGIN_MISMATCH.value, str(exc)[:1000]
                 )
                 return None
-        key = (_vm_of(message).casefold(), message.id)
+        key = (vm_of(message).casefold(), message.id)
         seen = self.dedupe.get(key)
         if seen is None:
             seen = self._unremembered.get(key)
@@ -641,7 +641,7 @@ class FleetStream:
                 "claims",
                 self.group,
                 message.id,
-                _vm_of(message),
+                vm_of(message),
             )
             await self._dead_letter(
                 delivery,
@@ -726,7 +726,7 @@ class FleetStream:
         await self._settle(delivery.dead_letter(reason, description), delivery)
 
     async def _handled(self, delivery: Delivery, message: Admitted, *, batch: bool = False) -> None:
-        self._unremembered[(_vm_of(message).casefold(), message.id)] = content_digest(message)
+        self._unremembered[(vm_of(message).casefold(), message.id)] = content_digest(message)
         self.stats.handled += 1
         if not self._unacked:
             self._batch_began = time.monotonic()
@@ -875,5 +875,6 @@ def _done(step: _Step) -> bool:
     return step.commit is None or step.commit.done()
 
 
-def _vm_of(message: Admitted) -> str:
+def vm_of(message: Admitted) -> str:
+    """The VM a message is from, as it names itself."""
     return message.vm_name if isinstance(message, NewerMessage) else message.vm.name

@@ -21,10 +21,15 @@ def _major(version: str) -> int:
     return int(head)
 
 
+_MAJOR = _major(SCHEMA_VERSION)
+
+
 def check_version(found: object) -> str:
     """Return ``found`` when this code can read it; raise otherwise."""
+    if found == SCHEMA_VERSION:  # nearly every message: checked on each one decoded
+        return SCHEMA_VERSION
     if not isinstance(found, str) or not found:
         raise SchemaError("the message carries no schema version (schemaversion)")
-    if _major(found) != _major(SCHEMA_VERSION):
+    if _major(found) != _MAJOR:
         raise VersionMismatch(found, SCHEMA_VERSION)
     return found

@@ -81,3 +81,21 @@ def test_liveness_follows_heartbeats_and_offline():
     address = view.reply_address("web-2")
     assert address is not None
     assert address.key == "WEB-2"
+
+
+def test_an_outcome_under_another_vms_id_does_not_replace_that_vms_outcome():
+    """Ids are the senders' own, and a VM can compute another's. VM b's ``approval.rejected``
+    under the id of a's ``approval.applied`` must not erase that the event was approved (the
+    approver counts an approved event's VMs as unavailable: without it, the capacity the event
+    holds would look free)."""
+    view = FleetView()
+    ev = event("EVT-3", resources=("a", "b"))
+    view.apply(transition("scheduled", ev, vm("a")))
+    applied = outcome(vm("a"), ev, applied=True)
+    view.apply(applied)
+    view.apply(outcome(vm("b"), ev, applied=False).model_copy(update={"id": applied.id}))
+    state = view.event("EVT-3")
+    assert state is not None
+    assert state.approved
+    assert state.unavailable
+    assert sorted(o.vm.name for o in state.outcomes.values()) == ["a", "b"]
