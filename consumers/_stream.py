@@ -56,7 +56,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
-from typing import Any, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, Protocol, Self, TypeVar, cast, runtime_checkable
 
 from schemas import (
     LifecycleMessage,
@@ -777,8 +777,8 @@ class FleetStream:
         if not ack or not batch or self._commit_failed or self._broken:
             return
         last = batch[-1]
-        if isinstance(last, _AcksThrough):
-            await self._settle(last.ack_through(), last)
+        if _acks_through(last):
+            await self._settle(cast(_AcksThrough, last).ack_through(), last)
             return
         for delivery in batch:
             if not await self._settle(delivery.ack(), delivery):
