@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import logging
 import re
+import sqlite3
 
 from schemas import ConfigError
 
-from ._db import Database, DatabaseError
+from ._db import Database, DatabaseError, Executor
 
 __all__ = ["SCHEMA_VERSION", "ensure_schema", "grant", "schema_version"]
 
@@ -200,7 +201,11 @@ _APPROVER_TABLES = ("approver_messages", "approver_approvals", "approver_holds")
 
 async def schema_version(db: Database) -> int | None:
     """The schema version recorded in the database; 1 for a 0.1 ledger; None when empty."""
-    if db.dialect == "sqlite":
+    return await _version(db, db.dialect)
+
+
+async def _version(db: Executor, dialect: str) -> int | None:
+    if dialect == "sqlite":
         tables = {
             row[0] for row in await db.fetch("SELECT name FROM sqlite_master WHERE type = 'table'")
         }
@@ -236,7 +241,7 @@ async def ensure_schema(db: Database, *, create: bool = True) -> None:
         )
     try:
         if db.dialect == "sqlite":
-            await _sqlite_upgrade(db, found)
+            found = await _sqlite_upgrade(db)
         else:
             # Two processes starting at once must not race on the DDL.
             await db.script(f"SELECT pg_advisory_xact_lock(7061);\n{_POSTGRES}\n{_VERSION_ROW}")
@@ -246,7 +251,10 @@ async def ensure_schema(db: Database, *, create: bool = True) -> None:
             "`scheduled-events migrate --db URL` as the database's owner, then start this "
             "service with its least-privilege role"
         ) from exc
-    log.info("schema of %s at version %d (was %s)", db.display, SCHEMA_VERSION, found or "none")
+    if found != SCHEMA_VERSION:  # else another process upgraded it meanwhile
+        log.info(
+            "schema of %s at version %d (was %s)", db.display, SCHEMA_VERSION, found or "none"
+        )
 
 
 _VERSION_ROW = (
@@ -259,29 +267,51 @@ _VERSION_ROW = (
 _SQLITE_REBUILT = ("ledger_messages", "approver_messages")
 
 
-async def _sqlite_upgrade(db: Database, found: int | None) -> None:
-    if found == 1:
-        columns = {row[1] for row in await db.fetch("PRAGMA table_info(ledger_messages)")}
-        async with db.transaction() as tx:
+async def _sqlite_upgrade(db: Database) -> int | None:
+    """Create or upgrade the schema in one transaction that holds SQLite's write lock from its
+    start: a process that starts beside this one (the approver and the audit on one file) waits
+    for it, then finds the work done. The version found under the lock."""
+    async with db.transaction() as tx:
+        found = await _version(tx, "sqlite")
+        if found == SCHEMA_VERSION:
+            return found
+        if found == 1:
+            columns = {row[1] for row in await tx.fetch("PRAGMA table_info(ledger_messages)")}
             for name, kind in _SQLITE_V2_COLUMNS:
                 if name not in columns:
                     await tx.execute(f"ALTER TABLE ledger_messages ADD COLUMN {name} {kind}")
-    rebuild = ""
-    if found is not None and found < 3:
-        tables = {row[0] for row in await db.fetch("SELECT name FROM sqlite_master")}
-        rebuilt = [table for table in _SQLITE_REBUILT if table in tables]
-        if rebuilt:
-            log.info(
-                "upgrading %s from schema version %d: copying %s into tables of version %d "
-                "(one transaction; the services wait for it)",
-                db.display,
-                found,
-                " and ".join(rebuilt),
-                SCHEMA_VERSION,
-            )
-        rebuild = "".join(_sqlite_rebuild(table) for table in rebuilt)
-    # One transaction: the copies, then the indexes and triggers of the tables made anew.
-    await db.script(f"{rebuild}{_SQLITE}\n{_VERSION_ROW}")
+        rebuild = ""
+        if found is not None:
+            tables = {row[0] for row in await tx.fetch("SELECT name FROM sqlite_master")}
+            rebuilt = [table for table in _SQLITE_REBUILT if table in tables]
+            if rebuilt:
+                log.info(
+                    "upgrading %s from schema version %d: copying %s into tables of version %d "
+                    "(one transaction; the services wait for it)",
+                    db.display,
+                    found,
+                    " and ".join(rebuilt),
+                    SCHEMA_VERSION,
+                )
+            rebuild = "".join(_sqlite_rebuild(table) for table in rebuilt)
+        # The copies, then the tables, indexes and triggers (those of the tables made anew).
+        for statement in _statements(f"{rebuild}{_SQLITE}\n{_VERSION_ROW}"):
+            await tx.execute(statement)
+        return found
+
+
+def _statements(script: str) -> list[str]:
+    """``script``'s statements, one by one (a trigger's body stays whole)."""
+    statements: list[str] = []
+    pending = ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            statements.append(pending.strip())
+            pending = ""
+    if pending.strip():
+        raise ValueError(f"an incomplete statement ends the script: {pending.strip()[:80]!r}")
+    return statements
 
 
 def _sqlite_rebuild(table: str) -> str:

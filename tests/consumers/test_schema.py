@@ -157,3 +157,61 @@ async def test_a_version_2_database_is_upgraded_with_every_row_kept(v2_url):
     ]
     assert positions[0][2] < positions[1][2] < positions[2][2]
     assert {s.event_id for s in view.events(open_only=True)} == {"EVT-A", "EVT-B", "EVT-C"}
+
+
+async def test_two_services_upgrading_one_sqlite_file_at_once_copy_it_once(tmp_path, caplog):
+    """The approver and the audit share a SQLite file and start together after an upgrade of
+    the code: one upgrades, the other waits for it and finds the work done (before, each copied
+    the tables, the second over the first's copy, and a second copy of a large ledger could
+    outlast the wait for the lock)."""
+    import asyncio
+    import logging
+
+    path = tmp_path / "central.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.executescript(_V2_SQLITE)
+        conn.executemany(
+            "INSERT INTO ledger_messages (message_id, time, kind, source, vm, event_id, "
+            "event_type, sequence, body, received_at) VALUES (?, 't', 'scheduled', 's', ?, "
+            "'E', 'Freeze', 1, '{}', 't')",
+            ((f"id-{i}", f"vm-{i % 7}") for i in range(5000)),
+        )
+        conn.commit()
+
+    async def start() -> None:
+        async with open_ledger(f"sqlite:///{path}"):
+            pass
+
+    with caplog.at_level(logging.INFO, logger="consumers._schema"):
+        await asyncio.gather(start(), start())
+    copies = [r for r in caplog.records if "copying" in r.getMessage()]
+    async with open_ledger(f"sqlite:///{path}") as ledger:
+        assert await schema_version(ledger.db) == SCHEMA_VERSION
+        assert await ledger.count() == 5000
+    assert len(copies) == 1, [r.getMessage() for r in copies]
+
+
+async def test_a_ledger_of_0_1_is_upgraded_to_the_current_schema(tmp_path):
+    """A 0.1 ledger (schema 1: no schema version row, no raw bytes) gets the columns 2 added and
+    the uniqueness 3 changed, in the same transaction; its rows keep their positions and are
+    still told apart from other content by what they say."""
+    path = tmp_path / "central.db"
+    v1 = _V2_SQLITE.split("CREATE TABLE ledger_messages", 1)[1].split("CREATE INDEX", 1)[0]
+    v1 = v1.replace(",\n    sender        TEXT,\n    schemaversion TEXT,\n    raw           BLOB", "")
+    old = transition("scheduled", event("EVT-C", resources=("web-c",)), vm("web-c"))
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.executescript(f"CREATE TABLE ledger_messages {v1}")
+        conn.execute(
+            "INSERT INTO ledger_messages (position, message_id, time, kind, source, vm, "
+            "event_id, event_type, sequence, body, received_at) "
+            "VALUES (7, ?, 't', 'scheduled', 's', 'web-c', 'EVT-C', 'Freeze', 1, ?, 't')",
+            (old.id, old.to_bytes().decode()),
+        )
+        conn.commit()
+    async with open_ledger(f"sqlite:///{path}") as ledger:
+        assert await schema_version(ledger.db) == SCHEMA_VERSION
+        assert await ledger.append(old) is Appended.DUPLICATE
+        changed = old.model_copy(update={"subject": "EVT-OTHER"})
+        assert await ledger.append(changed) is Appended.CONFLICT
+        rows = await ledger.db.fetch("SELECT position, message_id, raw FROM ledger_messages")
+    assert rows == [(7, old.id, None)]
