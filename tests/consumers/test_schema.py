@@ -197,7 +197,8 @@ async def test_a_ledger_of_0_1_is_upgraded_to_the_current_schema(tmp_path):
     still told apart from other content by what they say."""
     path = tmp_path / "central.db"
     v1 = _V2_SQLITE.split("CREATE TABLE ledger_messages", 1)[1].split("CREATE INDEX", 1)[0]
-    v1 = v1.replace(",\n    sender        TEXT,\n    schemaversion TEXT,\n    raw           BLOB", "")
+    added = ",\n    sender        TEXT,\n    schemaversion TEXT,\n    raw           BLOB"
+    v1 = v1.replace(added, "")
     old = transition("scheduled", event("EVT-C", resources=("web-c",)), vm("web-c"))
     with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.executescript(f"CREATE TABLE ledger_messages {v1}")
