@@ -252,9 +252,7 @@ async def ensure_schema(db: Database, *, create: bool = True) -> None:
             "service with its least-privilege role"
         ) from exc
     if found != SCHEMA_VERSION:  # else another process upgraded it meanwhile
-        log.info(
-            "schema of %s at version %d (was %s)", db.display, SCHEMA_VERSION, found or "none"
-        )
+        log.info("schema of %s at version %d (was %s)", db.display, SCHEMA_VERSION, found or "none")
 
 
 _VERSION_ROW = (
