@@ -8,7 +8,9 @@ silent, how long until NotBefore, and whether the event started, completed or wa
 It also answers what a policy asks, at a cost that does not grow with the number of open events:
 which VMs are unavailable (an event that hits them started, or an approval of its current
 version was sent or applied, and it is not over), per group (scale set, zone, fault or update
-domain), from indexes kept up to date as messages arrive (:meth:`FleetView.down_in`).
+domain), from indexes kept up to date as messages arrive (:meth:`FleetView.down_in`). A VM's
+report cannot make another VM available: a VM any version of the event named stays counted,
+and the event is over only once every VM still reporting it (its agent live) said so.
 
 Memory stays bounded: :meth:`FleetView.prune` forgets events over for longer than ``retention``,
 and open events nobody reported on for ``expiry`` (a VM that vanished with an event in hand):
@@ -58,7 +60,9 @@ Group = tuple[str, object]
 
 
 class EventPhase(StrEnum):
-    """Where an event is, merged over its VMs' reports (the furthest any VM saw)."""
+    """Where an event is, merged over its VMs' reports: started when any VM saw it start; over
+    (completed, canceled) once every VM that reported it says so, or its agent is no longer live
+    (each VM speaks for itself: one VM's report cannot end another's maintenance)."""
 
     SCHEDULED = "scheduled"
     STARTED = "started"
@@ -76,6 +80,7 @@ _PHASE_OF = {
     MessageType.COMPLETED: EventPhase.COMPLETED,
     MessageType.CANCELED: EventPhase.CANCELED,
 }
+_ENDS = frozenset({MessageType.COMPLETED, MessageType.CANCELED})
 _RANK = {
     EventPhase.SCHEDULED: 0,
     EventPhase.STARTED: 1,
@@ -93,6 +98,9 @@ class VmReport:
     status: str
     at: datetime
     message_id: str
+    #: Whether the event, as this VM reported it, lists this VM in its Resources (an agent with
+    #: ``--all-events`` also reports events of its neighbours).
+    listed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +135,14 @@ class EventState:
     version: str = ""
     #: Whether the view counts the event's VMs as unavailable (see :meth:`FleetView.refresh`).
     counted_down: bool = False
+    #: Every VM (casefolded) a version of the event named in its Resources: the VMs counted
+    #: unavailable for it. A newer report cannot take a VM out: a VM's report speaks for itself,
+    #: not for the VMs another one left out.
+    listed: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.version = self.version or event_version(self.event)
+        self.listed.update(resource.casefold() for resource in self.event.resources)
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -181,6 +194,7 @@ class EventState:
     def set_event(self, event: ScheduledEvent) -> None:
         self.event = event
         self.version = event_version(event)
+        self.listed.update(resource.casefold() for resource in event.resources)
 
     def reported(self) -> tuple[str, ...]:
         """The VMs that reported on this event, in Resources order first."""
@@ -266,6 +280,8 @@ class FleetView:
         #: that became unavailable (casefolded).
         self._freed: set[Group] = set()
         self._downed: set[str] = set()
+        #: Events a VM reported over that another VM, live, still reports running.
+        self._ending: set[str] = set()
 
     # ------------------------------------------------------------------------------ feeding
 
@@ -344,6 +360,7 @@ class FleetView:
                 status=event.event_status,
                 at=message.time,
                 message_id=message.id,
+                listed=event.affects(vm),
             )
         if message.time >= state.last_update:  # the newest content wins
             if state.event != event:
@@ -354,8 +371,33 @@ class FleetView:
         if message.kind is MessageType.UPDATED:
             phase = EventPhase.STARTED if event.is_started else EventPhase.SCHEDULED
         if phase is not None and _RANK[phase] > _RANK[state.phase]:
-            state.phase = phase
+            if phase.is_over:
+                self._ending.add(state.event_id)
+            else:
+                state.phase = phase
+        if state.event_id in self._ending:
+            self._end_if_over(state)
         return state
+
+    def _end_if_over(self, state: EventState, now: datetime | None = None) -> None:
+        """End the event once no VM it hits still reports it: each VM speaks for itself, so one
+        VM's report of the end (its own, or a lie about another's event) ends it only when
+        every VM that reported it as one of its Resources reported the end too, or its agent is
+        no longer live (it went offline or silent, and cannot report the end)."""
+        moment = now or self.clock()
+        ends = [r for r in state.reports.values() if r.kind in _ENDS]
+        if not ends:
+            self._ending.discard(state.event_id)
+            return
+        if any(
+            r.kind not in _ENDS and r.listed and self.is_live(r.vm, moment)
+            for r in state.reports.values()
+        ):
+            return  # a VM it hits still reports it, and its agent is live: that VM decides
+        phase = max((_PHASE_OF[r.kind] for r in ends), key=_RANK.__getitem__)
+        if _RANK[phase] > _RANK[state.phase]:
+            state.phase = phase
+        self._ending.discard(state.event_id)
 
     # ------------------------------------------------------------------- the unavailable index
 
@@ -369,8 +411,7 @@ class FleetView:
             return set()
         state.counted_down = down
         changed: set[Group] = set()
-        for resource in state.resources:
-            vm = resource.casefold()
+        for vm in state.listed:
             events = self._down.setdefault(vm, set())
             before = bool(events)
             if down:
@@ -493,6 +534,13 @@ class FleetView:
         """Forget the events :meth:`expired` says are done with (and agents silent for
         ``expiry`` with no open event); returns the ids of the events forgotten."""
         moment = now or self.clock()
+        for event_id in list(self._ending):  # the agents they waited for may be silent now
+            waiting = self._events.get(event_id)
+            if waiting is None:
+                self._ending.discard(event_id)
+                continue
+            self._end_if_over(waiting, moment)
+            self.refresh(waiting)
         gone = [event_id for event_id, state in self._events.items() if self.expired(state, moment)]
         for event_id in gone:
             self.forget(event_id)
@@ -504,6 +552,7 @@ class FleetView:
         return gone
 
     def forget(self, event_id: str) -> None:
+        self._ending.discard(event_id)
         state = self._events.pop(event_id, None)
         if state is not None:
             self._set_down(state, False)

@@ -34,6 +34,8 @@ def test_one_event_merged_across_the_vms_of_its_resources():
     assert state.reports["web-1"].kind is MessageType.SCHEDULED  # web-1 has not seen it yet
 
     view.apply(transition("completed", started, vm("web-1"), at=T0 + timedelta(minutes=20)))
+    assert not state.completed  # web-2, live, still reports it running: it speaks for itself
+    view.apply(transition("completed", started, vm("web-2"), at=T0 + timedelta(minutes=20)))
     assert state.completed
     # A late, older report never moves the event backwards.
     view.apply(transition("scheduled", scheduled, vm("web-3"), at=T0 + timedelta(seconds=5)))
@@ -99,3 +101,68 @@ def test_an_outcome_under_another_vms_id_does_not_replace_that_vms_outcome():
     assert state.approved
     assert state.unavailable
     assert sorted(o.vm.name for o in state.outcomes.values()) == ["a", "b"]
+
+
+def _started_on_a(view: FleetView):
+    """EVT-5 hits VM a only (fault domain 1); a's agent reported it scheduled, then started (a
+    is down)."""
+    scheduled = event("EVT-5", resources=("a",))
+    started = event("EVT-5", resources=("a",), status="Started")
+    view.apply(transition("scheduled", scheduled, vm("a", fd=1), at=T0))
+    view.apply(transition("started", started, vm("a", fd=1), at=T0 + timedelta(minutes=1)))
+    return scheduled, started
+
+
+def test_a_vm_cannot_end_another_vms_event_for_it():
+    """Each VM speaks for itself. A VM that sees an event (its availability set's) and reports
+    it over while the VM the event hits still reports it running must not end it: the
+    approver would count that VM available while it is in maintenance, and a cap on
+    unavailability would let one more VM of its group go. The event ends once every VM still
+    reporting it (its agent live) says so."""
+    view = FleetView(clock=lambda: T0 + timedelta(minutes=2))
+    _, started = _started_on_a(view)
+    assert view.is_down("a")
+    # Nor can it take a out of the event's Resources with a newer report of its own.
+    moved = event("EVT-5", resources=("b",), status="Started")
+    view.apply(transition("started", moved, vm("b"), at=T0 + timedelta(seconds=80)))
+    assert view.is_down("a")
+    view.apply(transition("completed", moved, vm("b"), at=T0 + timedelta(seconds=90)))
+    state = view.event("EVT-5")
+    assert state is not None
+    assert state.started
+    assert not state.phase.is_over
+    assert view.is_down("a")
+    view.apply(transition("completed", started, vm("a", fd=1), at=T0 + timedelta(minutes=2)))
+    assert state.completed
+    assert not view.is_down("a")
+
+
+def test_an_end_waits_only_for_vms_whose_agents_are_live():
+    """A VM whose agent went silent (or said it went offline) does not keep an event open that
+    another VM reported over (it cannot report the end): the end applies at the first prune
+    after the agent's liveness ran out."""
+    now = [T0 + timedelta(minutes=2)]
+    view = FleetView(clock=lambda: now[0], liveness_timeout=timedelta(minutes=2))
+    _, started = _started_on_a(view)
+    view.apply(transition("completed", started, vm("b"), at=now[0]))
+    state = view.event("EVT-5")
+    assert state is not None
+    assert not state.phase.is_over  # a was heard from a minute ago
+    now[0] = T0 + timedelta(minutes=4)
+    view.prune()
+    assert state.completed
+    assert not view.is_down("a")
+    freed, _ = view.take_changes()
+    assert ("fault_domain", 1) in freed  # the approver decides again what a's group held
+
+
+def test_a_neighbour_reporting_an_event_that_does_not_hit_it_does_not_keep_it_open():
+    """An agent with ``--all-events`` reports its neighbours' events too; it is not one of
+    their VMs, so its report does not hold their end."""
+    view = FleetView(clock=lambda: T0 + timedelta(minutes=2))
+    scheduled, started = _started_on_a(view)
+    view.apply(transition("scheduled", scheduled, vm("c"), at=T0 + timedelta(minutes=1)))
+    view.apply(transition("completed", started, vm("a", fd=1), at=T0 + timedelta(minutes=2)))
+    state = view.event("EVT-5")
+    assert state is not None
+    assert state.completed

@@ -158,3 +158,22 @@ def test_policy_file_errors_name_the_bad_key(tmp_path, text, message):
 def test_parse_policy_with_nothing_approves_nothing():
     view = fleet_with(event("USER", source="User"))
     assert decide(parse_policy({}), view, "USER").action is Action.WAIT
+
+
+def test_a_cap_on_unavailability_holds_when_another_vm_reports_the_busy_vms_event_over():
+    """ss_0 is in maintenance (its agent reports BUSY started). ss_2 sees BUSY too (one
+    placement group) and reports it completed: a lie, or a report ahead of ss_0's. ss_0 still
+    counts as unavailable until it reports the end itself (or its agent falls silent), so
+    NEXT, on ss_1, waits; the approver does not take two VMs of the scale set at once."""
+    ids = {f"ss_{i}": vm(f"ss_{i}", scale_set="ss") for i in range(4)}
+    busy = event("BUSY", source="User", resources=("ss_0",), status="Started")
+    next_one = event("NEXT", source="User", resources=("ss_1",))
+    view = fleet_with(next_one, identities=ids)
+    for name in ("ss_2", "ss_3"):
+        view.apply(heartbeat(ids[name]))
+    view.apply(transition("started", busy, ids["ss_0"]))
+    view.apply(transition("completed", busy, ids["ss_2"]))
+    one = PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1)))
+    assert decide(one, view, "NEXT").action is Action.WAIT
+    view.apply(transition("completed", busy, ids["ss_0"]))
+    assert decide(one, view, "NEXT").action is Action.APPROVE
