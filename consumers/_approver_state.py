@@ -121,14 +121,15 @@ class ApproverState:
         rows = await self.db.fetch(
             "SELECT raw FROM approver_messages WHERE grp = ? ORDER BY position", self.group
         )
-        for (raw,) in rows:
-            try:
-                message = decode(bytes(raw))
-            except SchemaError as exc:  # only a downgrade could make a stored message unreadable
-                log.error("approver state: a stored message cannot be read (%s): skipped", exc)
-                continue
-            fleet.apply(message)
-            loaded.messages += 1
+        with fleet.replaying():
+            for (raw,) in rows:
+                try:
+                    message = decode(bytes(raw))
+                except SchemaError as exc:  # only a downgrade could make one unreadable
+                    log.error("approver state: a stored message cannot be read (%s): skipped", exc)
+                    continue
+                fleet.apply(message)
+                loaded.messages += 1
         approvals = await self.db.fetch(
             "SELECT event_id, event_version, target, reply_channel, reply_key, body, state, at "
             "FROM approver_approvals WHERE grp = ? ORDER BY at",

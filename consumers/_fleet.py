@@ -25,6 +25,7 @@ far in the past.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -282,6 +283,8 @@ class FleetView:
         self._downed: set[str] = set()
         #: Events a VM reported over that another VM, live, still reports running.
         self._ending: set[str] = set()
+        #: While messages are replayed (:meth:`replaying`), ends wait for the last of them.
+        self._replaying = False
 
     # ------------------------------------------------------------------------------ feeding
 
@@ -375,9 +378,25 @@ class FleetView:
                 self._ending.add(state.event_id)
             else:
                 state.phase = phase
-        if state.event_id in self._ending:
+        if state.event_id in self._ending and not self._replaying:
             self._end_if_over(state)
         return state
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Apply stored messages (a standby rebuilding the view) as they were received: who is
+        live is judged once the last of them is applied, as the view that received them live
+        judged it then, not at each older message on the way."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+            for event_id in list(self._ending):
+                state = self._events.get(event_id)
+                if state is not None:
+                    self._end_if_over(state)
+                    self.refresh(state)
 
     def _end_if_over(self, state: EventState, now: datetime | None = None) -> None:
         """End the event once no VM it hits still reports it: each VM speaks for itself, so one

@@ -18,7 +18,7 @@ from consumers._cli import main
 from consumers._db import DatabaseError, WriteConflict, open_database
 from schemas import Approval, ReplyAddress, TransportError, key_id, load_public_keys, verify
 from schemas.approvals import generate_signing_key
-from schemas.messages import AgentMessage, TransitionMessage, content_digest
+from schemas.messages import AgentMessage, LifecycleMessage, TransitionMessage, content_digest
 from schemas.transport import MemoryTransport, OutgoingMessage
 from schemas.wire import lifecycle_message
 
@@ -669,3 +669,33 @@ async def test_a_message_under_an_id_another_vm_stored_first_is_in_the_standbys_
     assert evt_y is not None
     assert set(evt_y.reports) == {"web-y"}
     assert recalled == content_digest(own)
+
+
+async def test_a_standby_rebuilds_an_event_another_vm_reported_over_as_still_open(tmp_path):
+    """VM a's event started; VM b reported it over; a's agent is still live (its heartbeat is
+    the last message stored), so the active approver keeps the event open (each VM speaks for
+    itself). The standby that takes over replays the stored messages: it must not end the
+    event on the way because a's older messages, replayed first, looked stale."""
+    from ._factory import T0
+
+    ev = event("EVT-Z", resources=("web-a",), status="Started")
+    messages: list[LifecycleMessage] = [
+        transition("started", ev, vm("web-a"), at=T0),
+        transition("completed", ev, vm("web-b"), at=T0 + timedelta(minutes=1)),
+        heartbeat(vm("web-a"), at=T0 + timedelta(minutes=5)),
+    ]
+    now = [T0]
+    active = FleetView(clock=lambda: now[0])
+    for message in messages:  # each as it arrives
+        now[0] = message.time + timedelta(seconds=1)
+        active.apply(message)
+    now[0] = T0 + timedelta(minutes=6)
+    standby = FleetView(clock=lambda: now[0])
+    async with open_ledger(f"sqlite:///{tmp_path / 'central.db'}") as ledger:
+        await ApproverState(ledger.db, "approver").commit(messages, [], [])
+        await ApproverState(ledger.db, "approver").load(standby)
+    for view in (active, standby):
+        state = view.event("EVT-Z")
+        assert state is not None
+        assert not state.phase.is_over
+        assert view.is_down("web-a")
