@@ -322,7 +322,11 @@ class Watcher:
         vm = self._identity.name
         transitions = await self._ran_between_polls(diff(previous, document, self._revisions))
         revisions = revisions_after(self._revisions, transitions, document)
-        chosen = [t for t in transitions if settings.all_events or t.event.affects(vm)]
+        chosen = [
+            t
+            for t in transitions
+            if settings.all_events or t.event.affects(vm) or _listed_before(previous, t, vm)
+        ]
         if not chosen and self._stored_scope == self._scope:
             # Only other VMs' events changed (a placement group's neighbours, not published
             # without --all-events): nothing to publish, so nothing to make durable (on a VM,
@@ -377,3 +381,15 @@ class Watcher:
             # polling fast by itself), and a neighbour's event is not this agent's to report:
             # neither costs the VM's shared IMDS budget anything more.
             self._cadence.boost()
+
+
+def _listed_before(
+    previous: ScheduledEventsDocument | None, transition: Transition, vm: str
+) -> bool:
+    """Whether the event listed ``vm`` in the document before: an event that stops listing the
+    VM is announced once more (the central services count a VM as in an event until it says
+    it is out), and then no longer."""
+    if previous is None:
+        return False
+    event_id = transition.event.event_id
+    return any(e.event_id == event_id and e.affects(vm) for e in previous.events)

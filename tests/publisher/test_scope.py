@@ -14,7 +14,7 @@ from typing import Any
 
 from publisher._state import STATE_FILE
 from publisher.simulator import EventSpec, EventType
-from schemas import MessageType
+from schemas import MessageType, TransitionMessage
 from schemas.channels import ChannelNames
 
 from .harness import recorder, running, settings_for, simulator_server
@@ -98,4 +98,46 @@ async def test_a_neighbours_event_costs_the_agent_no_write_to_its_disk(tmp_path:
     assert [(m.kind, m.subject) for m in rec.transitions()] == [
         (MessageType.SCHEDULED, own.event_id),
         (MessageType.CANCELED, own.event_id),
+    ]
+
+
+async def test_an_event_that_stops_listing_the_vm_is_announced_once_more_then_left(
+    tmp_path: Path,
+) -> None:
+    """Azure may change an event's Resources. When an event the agent announced stops listing
+    its VM, the agent says so once (``updated``, with the Resources as they are now): the
+    central services count a VM as in an event until the VM itself says it is out of it, so
+    without that word the event would stay open for it. After that the event is a
+    neighbour's: its start and end are not this agent's to announce."""
+    unique = uuid.uuid4().hex[:8]
+    broker, channels = f"memory://leave-{unique}", ChannelNames().suffixed(unique)
+    async with simulator_server("web_0", "web_3") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(
+            server, "web_0", broker, channels, tmp_path / "state", poll_interval=0.2
+        )
+        async with running(settings):
+            shared = sim.add_event(
+                EventSpec(
+                    event_type=EventType.REBOOT,
+                    resources=("web_0", "web_3"),
+                    not_before_seconds=900,
+                )
+            )
+            await rec.wait_kind(MessageType.SCHEDULED)
+            sim.update_event(shared.event_id, resources=("web_3",))
+            await rec.wait_kind(MessageType.UPDATED)
+            sim.start_event(shared.event_id)
+            await asyncio.sleep(1)
+            sim.complete_event(shared.event_id)
+            await asyncio.sleep(1)
+    announced = [
+        (m.kind, m.data.event.resources)
+        for m in rec.transitions()
+        if isinstance(m, TransitionMessage)
+    ]
+    assert len(announced) == len(rec.transitions())
+    assert announced == [
+        (MessageType.SCHEDULED, ("web_0", "web_3")),
+        (MessageType.UPDATED, ("web_3",)),
     ]
