@@ -255,7 +255,8 @@ class FleetView:
     ``liveness_timeout``: an agent is live while it was heard from within this long (agents
     send a heartbeat every 60 s by default, so the default allows one to be lost).
     ``retention``: how long a completed or canceled event is kept before :meth:`prune`
-    forgets it; ``expiry``: how long an open event nobody reports on is kept.
+    forgets it; ``expiry``: how long an open event nobody reports on is kept; ``clock_skew``:
+    how far ahead of ``clock`` a message's time is believed (see :meth:`apply`).
     """
 
     def __init__(
@@ -265,7 +266,9 @@ class FleetView:
         retention: timedelta = timedelta(hours=1),
         expiry: timedelta = timedelta(days=1),
         clock: Callable[[], datetime] = _now,
+        clock_skew: timedelta = timedelta(minutes=5),
     ) -> None:
+        self.clock_skew = clock_skew
         self.liveness_timeout = liveness_timeout
         self.retention = retention
         self.expiry = expiry
@@ -290,43 +293,48 @@ class FleetView:
 
     def apply(self, message: LifecycleMessage) -> EventState | None:
         """Take one message into account; returns the event it concerns, if any. Applying a
-        message twice changes nothing."""
-        self._seen_agent(message)
+        message twice changes nothing.
+
+        A message's time is its sender's word: one dated ahead of this view's clock by more
+        than ``clock_skew`` is taken as sent then (its sender could otherwise stay live, and its
+        reports newest, for as long as it pleased)."""
+        at = min(message.time, self.clock() + self.clock_skew)
+        self._seen_agent(message, at)
         state: EventState | None = None
         if isinstance(message, TransitionMessage):
-            state = self._transition(message)
+            state = self._transition(message, at)
         elif isinstance(message, HookResultMessage):
-            state = self._state_for(message.data.event, message.time)
+            state = self._state_for(message.data.event, at)
             key = f"{message.data.transition}/{message.data.hook}"
             state.hooks.setdefault(message.vm.name.casefold(), {})[key] = message
-            state.last_update = max(state.last_update, message.time)
+            state.last_update = max(state.last_update, at)
         elif isinstance(message, ApprovalOutcomeMessage):
             event = message.data.event
             state = self._events.get(message.data.event_id)
             if state is None and event is not None:
-                state = self._state_for(event, message.time)
+                state = self._state_for(event, at)
             if state is not None:
                 state.outcomes[(message.vm.name.casefold(), message.id)] = message
         if state is not None:
             self.refresh(state)
         return state
 
-    def _seen_agent(self, message: LifecycleMessage) -> None:
+    def _seen_agent(self, message: LifecycleMessage, at: datetime) -> None:
         data = message.data
         key = message.vm.name.casefold()
         agent = self._agents.get(key)
         if agent is None:
             agent = self._agents[key] = AgentState(
-                identity=data.vm, reply_to=data.reply_to, last_seen=message.time
+                identity=data.vm, reply_to=data.reply_to, last_seen=at
             )
             self._join(key, data.vm)
-        elif message.time >= agent.last_seen:
+        elif at >= agent.last_seen:
             if agent.identity != data.vm:
                 self._leave(key, agent.identity)
                 self._join(key, data.vm)
             agent.identity = data.vm
             agent.reply_to = data.reply_to
-            agent.last_seen = message.time
+            agent.last_seen = at
         else:  # an older message arriving late says nothing about now
             return
         if isinstance(message, AgentMessage):
@@ -351,25 +359,25 @@ class FleetView:
             )
         return state
 
-    def _transition(self, message: TransitionMessage) -> EventState:
+    def _transition(self, message: TransitionMessage, at: datetime) -> EventState:
         event = message.data.event
-        state = self._state_for(event, message.time)
+        state = self._state_for(event, at)
         vm = message.vm.name
         previous = state.reports.get(vm)
-        if previous is None or message.time >= previous.at:
+        if previous is None or at >= previous.at:
             state.reports[vm] = VmReport(
                 vm=vm,
                 kind=message.kind,
                 status=event.event_status,
-                at=message.time,
+                at=at,
                 message_id=message.id,
                 listed=event.affects(vm),
             )
-        if message.time >= state.last_update:  # the newest content wins
+        if at >= state.last_update:  # the newest content wins
             if state.event != event:
                 self._set_down(state, False)  # its Resources may change
                 state.set_event(event)
-            state.last_update = message.time
+            state.last_update = at
         phase = _PHASE_OF.get(message.kind)
         if message.kind is MessageType.UPDATED:
             phase = EventPhase.STARTED if event.is_started else EventPhase.SCHEDULED

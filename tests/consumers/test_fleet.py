@@ -166,3 +166,23 @@ def test_a_neighbour_reporting_an_event_that_does_not_hit_it_does_not_keep_it_op
     state = view.event("EVT-5")
     assert state is not None
     assert state.completed
+
+
+def test_a_message_dated_ahead_of_the_clock_is_taken_as_sent_now():
+    """A message's time is its sender's word. A VM that dates its heartbeat a year ahead must
+    not stay live for a year after it fell silent (it would hold every end it blocks), nor
+    keep its report of an event the newest for that long."""
+    now = [T0]
+    view = FleetView(clock=lambda: now[0], liveness_timeout=timedelta(minutes=2))
+    view.apply(heartbeat(vm("b"), at=T0 + timedelta(days=365)))
+    assert view.is_live("b")
+    now[0] = T0 + timedelta(minutes=10)
+    assert not view.is_live("b")  # taken as sent at T0 (+ the clock skew allowed, 5 min)
+    ev = event("EVT-8", resources=("a", "b"))
+    view.apply(transition("scheduled", ev, vm("b"), at=T0 + timedelta(days=365)))
+    later = event("EVT-8", resources=("a", "b"), not_before=T0 + timedelta(hours=2))
+    now[0] = T0 + timedelta(minutes=30)
+    view.apply(transition("updated", later, vm("a"), at=now[0]))
+    state = view.event("EVT-8")
+    assert state is not None
+    assert state.event == later
