@@ -621,6 +621,16 @@ async def test_an_announced_reply_address_never_redirects_an_approval(transport,
     await asyncio.wait_for(runner, 2)
 
 
+def _own_and_squatter() -> tuple[TransitionMessage, TransitionMessage]:
+    """web-y's message, and web-x's about another event sent under the same id."""
+    now = datetime.now(UTC)
+    own = transition("scheduled", event("EVT-Y", resources=("web-y",)), vm("web-y"), at=now)
+    squatter = transition(
+        "scheduled", event("EVT-X", resources=("web-x",)), vm("web-x"), at=now
+    ).model_copy(update={"id": own.id})
+    return own, squatter
+
+
 async def test_a_redelivered_message_is_recalled_only_from_its_own_vm(transport, tmp_path):
     """Message ids are the senders' own, and a VM can compute another's (they are derived from
     what the message says). After a takeover, the messages the standby is given again are
@@ -630,11 +640,7 @@ async def test_a_redelivered_message_is_recalled_only_from_its_own_vm(transport,
     ledger = open_ledger(f"sqlite:///{tmp_path / 'central.db'}")
     async with ledger:
         service = ApproverService(transport, generate_signing_key(), db=ledger.db)
-        now = datetime.now(UTC)
-        own = transition("scheduled", event("EVT-Y", resources=("web-y",)), vm("web-y"), at=now)
-        squatter = transition(
-            "scheduled", event("EVT-X", resources=("web-x",)), vm("web-x"), at=now
-        ).model_copy(update={"id": own.id})
+        own, squatter = _own_and_squatter()
         await service.handle(squatter)
         await service.commit()
         recall = service.stream.recall
@@ -651,11 +657,7 @@ async def test_a_message_under_an_id_another_vm_stored_first_is_in_the_standbys_
     that takes over rebuilds its view from the state, and would not know the event."""
     async with open_ledger(state_url) as ledger:
         service = ApproverService(transport, generate_signing_key(), db=ledger.db)
-        now = datetime.now(UTC)
-        own = transition("scheduled", event("EVT-Y", resources=("web-y",)), vm("web-y"), at=now)
-        squatter = transition(
-            "scheduled", event("EVT-X", resources=("web-x",)), vm("web-x"), at=now
-        ).model_copy(update={"id": own.id})
+        own, squatter = _own_and_squatter()
         for message in (squatter, own):
             await service.handle(message)
             await service.commit()

@@ -85,7 +85,8 @@ def test_never_wins_over_every_approver():
     assert verdict.policy == "never"
 
 
-def test_max_unavailable_per_scale_set_by_count_and_percent():
+def _busy_scale_set():
+    """Scale set ss of four VMs: ss_0 in maintenance (BUSY started), NEXT scheduled on ss_1."""
     ids = {f"ss_{i}": vm(f"ss_{i}", scale_set="ss") for i in range(4)}
     busy = event("BUSY", source="User", resources=("ss_0",), status="Started")
     next_one = event("NEXT", source="User", resources=("ss_1",))
@@ -93,6 +94,11 @@ def test_max_unavailable_per_scale_set_by_count_and_percent():
     for name in ("ss_2", "ss_3"):
         view.apply(heartbeat(ids[name]))
     view.apply(transition("started", busy, ids["ss_0"]))
+    return ids, busy, view
+
+
+def test_max_unavailable_per_scale_set_by_count_and_percent():
+    ids, busy, view = _busy_scale_set()
     held = decide(
         PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1))), view, "NEXT"
     )
@@ -165,13 +171,7 @@ def test_a_cap_on_unavailability_holds_when_another_vm_reports_the_busy_vms_even
     placement group) and reports it completed: a lie, or a report ahead of ss_0's. ss_0 still
     counts as unavailable until it reports the end itself (or its agent falls silent), so
     NEXT, on ss_1, waits; the approver does not take two VMs of the scale set at once."""
-    ids = {f"ss_{i}": vm(f"ss_{i}", scale_set="ss") for i in range(4)}
-    busy = event("BUSY", source="User", resources=("ss_0",), status="Started")
-    next_one = event("NEXT", source="User", resources=("ss_1",))
-    view = fleet_with(next_one, identities=ids)
-    for name in ("ss_2", "ss_3"):
-        view.apply(heartbeat(ids[name]))
-    view.apply(transition("started", busy, ids["ss_0"]))
+    ids, busy, view = _busy_scale_set()
     view.apply(transition("completed", busy, ids["ss_2"]))
     one = PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1)))
     assert decide(one, view, "NEXT").action is Action.WAIT
