@@ -281,9 +281,11 @@ class ApproverService:
                 self._outcome(message, state)
             if state is not None:
                 await self._evaluate(state, plan)
+            # Before the changes are taken: an event a prune ends (the VM it waited for fell
+            # silent) or forgets frees room that held events are decided again for.
+            self._prune_now_and_then()
             await self._reevaluate(plan, skip=state)
             await self._settle(plan, commit=False)
-            self._prune_now_and_then()
 
     async def commit(self) -> None:
         """Commit, in one transaction, what the messages handled since the last commit changed

@@ -701,3 +701,34 @@ async def test_a_standby_rebuilds_an_event_another_vm_reported_over_as_still_ope
         assert state is not None
         assert not state.phase.is_over
         assert view.is_down("web-a")
+
+
+async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_silent(transport):
+    """VM a's maintenance holds NEXT (on c) under a cap of one unavailable VM per scale set.
+    VM b, which sees a's event, reports it over; a's agent is live, so a still counts. Then
+    a's agent falls silent (it cannot report the end any more): at the approver's next prune
+    the event ends for a, and NEXT, held on the scale set, is decided again and approved."""
+    from consumers import ApproveUserInitiated, MaxUnavailable
+
+    now = [datetime.now(UTC)]
+    service = ApproverService(
+        transport,
+        generate_signing_key(),
+        policies=PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1))),
+        clock=lambda: now[0],
+    )
+    ids = {name: vm(name, scale_set="ss") for name in ("a", "b", "c")}
+    busy = event("BUSY", source="User", resources=("a",), status="Started")
+    next_one = event("NEXT", source="User", resources=("c",))
+    for name in ids:
+        await service.handle(heartbeat(ids[name], at=now[0]))
+    await service.handle(transition("started", busy, ids["a"], at=now[0]))
+    await service.handle(transition("scheduled", next_one, ids["c"], at=now[0]))
+    await service.handle(transition("completed", busy, ids["b"], at=now[0]))
+    held = [d for d in service.decisions if d.event_id == "NEXT"]
+    assert [d.action for d in held] == [Action.WAIT]
+    now[0] += timedelta(minutes=3)  # a's agent silent past its liveness
+    service._next_prune = 0.0  # the minute between prunes is over
+    await service.handle(heartbeat(ids["c"], at=now[0]))
+    decided = [d for d in service.decisions if d.event_id == "NEXT"]
+    assert [d.action for d in decided] == [Action.WAIT, Action.APPROVE]
