@@ -25,7 +25,7 @@ from schemas.transport import Transport
 
 from ._audit import Appended, Ledger
 from ._origin import Origin
-from ._stream import DeadLetterReason, FleetStream, Rejected, vm_of
+from ._stream import DeadLetterReason, FleetStream, Rejected, message_key
 
 __all__ = ["AuditService"]
 
@@ -68,7 +68,7 @@ class AuditService:
         delivery = self.stream.current_delivery
         sender = None if delivery is None else delivery.sender
         redelivered = delivery is not None and delivery.delivery_count > 0
-        key = (vm_of(message).casefold(), message.id)
+        key = message_key(message)
         if redelivered or key in self._contradicting:
             # It may be recorded already: compare it with the ledger now, alone.
             self._contradicting.discard(key)
@@ -101,7 +101,7 @@ class AuditService:
             if result is Appended.CONFLICT
         ]
         if contradicting:
-            self._contradicting.update((vm_of(m).casefold(), m.id) for m in contradicting)
+            self._contradicting.update(message_key(m) for m in contradicting)
             raise LedgerConflict(
                 f"{len(contradicting)} message(s) of this batch say something else than the "
                 f"ledger holds under their ids ({', '.join(m.id for m in contradicting[:5])}): "

@@ -612,7 +612,7 @@ class FleetStream:
                     delivery, DeadLetterReason.ORIGIN_MISMATCH.value, str(exc)[:1000]
                 )
                 return None
-        key = (vm_of(message).casefold(), message.id)
+        key = message_key(message)
         seen = self.dedupe.get(key)
         if seen is None:
             seen = self._unremembered.get(key)
@@ -726,7 +726,7 @@ class FleetStream:
         await self._settle(delivery.dead_letter(reason, description), delivery)
 
     async def _handled(self, delivery: Delivery, message: Admitted, *, batch: bool = False) -> None:
-        self._unremembered[(vm_of(message).casefold(), message.id)] = content_digest(message)
+        self._unremembered[message_key(message)] = content_digest(message)
         self.stats.handled += 1
         if not self._unacked:
             self._batch_began = time.monotonic()
@@ -878,3 +878,9 @@ def _done(step: _Step) -> bool:
 def vm_of(message: Admitted) -> str:
     """The VM a message is from, as it names itself."""
     return message.vm_name if isinstance(message, NewerMessage) else message.vm.name
+
+
+def message_key(message: Admitted) -> _Key:
+    """What a message is known by: its VM (casefolded) and its id. Ids are the senders' own, so
+    another VM's message under the same id is another message."""
+    return (vm_of(message).casefold(), message.id)
