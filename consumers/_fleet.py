@@ -82,6 +82,16 @@ _PHASE_OF = {
     MessageType.CANCELED: EventPhase.CANCELED,
 }
 _ENDS = frozenset({MessageType.COMPLETED, MessageType.CANCELED})
+
+
+def _listed(state: EventState) -> set[str]:
+    """The event's Resources as each VM last reported them, and as the view holds it now."""
+    listed = {resource.casefold() for resource in state.event.resources}
+    for report in state.reports.values():
+        listed |= report.resources
+    return listed
+
+
 _RANK = {
     EventPhase.SCHEDULED: 0,
     EventPhase.STARTED: 1,
@@ -102,6 +112,8 @@ class VmReport:
     #: Whether the event, as this VM reported it, lists this VM in its Resources (an agent with
     #: ``--all-events`` also reports events of its neighbours).
     listed: bool = True
+    #: The event's Resources as this VM reported it (casefolded).
+    resources: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +148,10 @@ class EventState:
     version: str = ""
     #: Whether the view counts the event's VMs as unavailable (see :meth:`FleetView.refresh`).
     counted_down: bool = False
-    #: Every VM (casefolded) a version of the event named in its Resources: the VMs counted
-    #: unavailable for it. A newer report cannot take a VM out: a VM's report speaks for itself,
-    #: not for the VMs another one left out.
+    #: The VMs (casefolded) counted unavailable for it: its Resources as each VM last reported
+    #: them, together. A newer report cannot take a VM out (a VM's report speaks for itself, not
+    #: for the VMs another one left out), and a VM's report replaces only its own contribution
+    #: (one that sends version after version of made-up names does not pile them up).
     listed: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -195,7 +208,6 @@ class EventState:
     def set_event(self, event: ScheduledEvent) -> None:
         self.event = event
         self.version = event_version(event)
-        self.listed.update(resource.casefold() for resource in event.resources)
 
     def reported(self) -> tuple[str, ...]:
         """The VMs that reported on this event, in Resources order first."""
@@ -372,12 +384,16 @@ class FleetView:
                 at=at,
                 message_id=message.id,
                 listed=event.affects(vm),
+                resources=frozenset(resource.casefold() for resource in event.resources),
             )
         if at >= state.last_update:  # the newest content wins
             if state.event != event:
-                self._set_down(state, False)  # its Resources may change
                 state.set_event(event)
             state.last_update = at
+        listed = _listed(state)
+        if listed != state.listed:
+            self._set_down(state, False)  # counted again, with these, by refresh()
+            state.listed = listed
         phase = _PHASE_OF.get(message.kind)
         if message.kind is MessageType.UPDATED:
             phase = EventPhase.STARTED if event.is_started else EventPhase.SCHEDULED

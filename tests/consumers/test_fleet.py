@@ -186,3 +186,21 @@ def test_a_message_dated_ahead_of_the_clock_is_taken_as_sent_now():
     state = view.event("EVT-8")
     assert state is not None
     assert state.event == later
+
+
+def test_a_vm_sending_version_after_version_of_made_up_resources_does_not_pile_them_up():
+    """The VMs counted for an event are its Resources as each VM last reported them: a VM's
+    newer version replaces its own contribution. One that sends thousands of made-up names in
+    version after version costs the view its last version's names, not all of them."""
+    view = FleetView(clock=lambda: T0 + timedelta(minutes=2))
+    _started_on_a(view)
+    for round_ in range(3):
+        names = tuple(f"fake-{round_}-{i}" for i in range(1000))
+        made_up = event("EVT-5", resources=("b", *names), status="Started")
+        at = T0 + timedelta(seconds=70 + round_)
+        view.apply(transition("started", made_up, vm("b"), at=at))
+    state = view.event("EVT-5")
+    assert state is not None
+    assert len(state.listed) == 1 + 1 + 1000  # a, b, the last round's names
+    assert view.is_down("a")
+    assert not view.is_down("fake-0-1")
