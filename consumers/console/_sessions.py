@@ -112,14 +112,16 @@ class SessionCodec:
         return session, f"v1.{payload}.{self._mac(payload)}"
 
     def read(self, cookie: str | None) -> Session | None:
-        """The session the cookie holds, or None (absent, forged, expired or signed out)."""
-        if not cookie or len(cookie) > 4096:
+        """The session the cookie holds, or None (absent, forged, expired or signed out). A
+        cookie is ASCII: anything else (a quoted value the server decoded as latin-1) is no
+        session, not a comparison that raises."""
+        if not cookie or len(cookie) > 4096 or not cookie.isascii():
             return None
         parts = cookie.split(".")
         if len(parts) != 3 or parts[0] != "v1":
             return None
         _, payload, mac = parts
-        if not hmac.compare_digest(mac, self._mac(payload)):
+        if not hmac.compare_digest(mac.encode(), self._mac(payload).encode()):
             return None
         try:
             body = json.loads(_unb64(payload))

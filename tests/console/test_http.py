@@ -612,3 +612,14 @@ def test_a_decision_that_comes_before_its_event_waits_for_it():
     assert state is not None
     row = live.event_row(state)
     assert row["decision"]["reason"] == "NotBefore applies"
+
+
+async def test_a_cookie_that_is_not_ascii_is_no_session_not_a_500(tmp_path):
+    """A session cookie holding a character outside ASCII (a quoted value, decoded as latin-1)
+    is no session: the sign-in page and a 401, not a 500 on every request of that browser."""
+    async with console(tmp_path) as c, c.client() as client:
+        for path, status in (("/login", 200), ("/api/me", 401)):
+            response = await client.get(path, headers={"Cookie": b'se_console="v1.a.\xe9"'})
+            assert response.status_code == status, path
+        assert (await sign_in(client, "alice")).status_code == 303
+        assert (await client.get("/api/me")).status_code == 200
