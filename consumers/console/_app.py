@@ -30,14 +30,13 @@ import logging
 import re
 import time
 from datetime import UTC, datetime
-from http.cookies import SimpleCookie
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.requests import Request
+from starlette.requests import Request, cookie_parser
 from starlette.responses import (
     HTMLResponse,
     JSONResponse,
@@ -96,13 +95,10 @@ def _cookie(name: str, value: str, *, secure: bool, max_age: int, path: str = "/
 
 
 def _cookies(headers: Headers) -> dict[str, str]:
-    jar: SimpleCookie = SimpleCookie()
-    for value in headers.getlist("cookie"):
-        try:
-            jar.load(value)
-        except Exception:  # a malformed cookie header is no cookie
-            continue
-    return {key: morsel.value for key, morsel in jar.items()}
+    """The request's cookies, read as browsers write them. Other applications on this host name
+    (cookies ignore ports) or a parent domain set cookies too, and ``SimpleCookie`` drops every
+    cookie after one it finds malformed (JSON, a space, a stray quote): the session with them."""
+    return cookie_parser("; ".join(headers.getlist("cookie")))
 
 
 def _same_origin(headers: Headers, scheme: str) -> bool:

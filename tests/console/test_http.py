@@ -623,3 +623,18 @@ async def test_a_cookie_that_is_not_ascii_is_no_session_not_a_500(tmp_path):
             assert response.status_code == status, path
         assert (await sign_in(client, "alice")).status_code == 303
         assert (await client.get("/api/me")).status_code == 200
+
+
+async def test_another_applications_cookie_does_not_hide_the_session(tmp_path):
+    """Cookies ignore ports and a parent domain's cookies are sent too: another application on
+    the same host name sets cookies the console did not write (JSON, a space, a stray quote).
+    The session cookie beside them still counts: no sign-in loop for every operator."""
+    async with console(tmp_path) as c, c.client() as client:
+        assert (await sign_in(client, "alice")).status_code == 303
+        session = client.cookies["se_console"]
+        client.cookies.clear()
+        for other in ('prefs={"theme":"dark"}', "grafana_session=a b", 'x="', "=lone"):
+            for header in (f"{other}; se_console={session}", f"se_console={session}; {other}"):
+                me = await client.get("/api/me", headers={"Cookie": header})
+                assert me.status_code == 200, header
+                assert me.json()["user"] == "alice"
