@@ -70,15 +70,34 @@ class WriteConflict(DatabaseError):
 
 
 def _iso(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """SQLite's text for a time: every field zero-padded to its full width (the year to four
+    digits, as :meth:`~datetime.datetime.isoformat` does; ``strftime("%Y")`` does not on
+    glibc), so that text order is time order for every year from 1 to 9999."""
+    utc = moment.astimezone(UTC).replace(tzinfo=None)
+    return utc.isoformat(timespec="microseconds") + "Z"
+
+
+#: The year of a time an earlier version wrote with ``strftime("%Y")``: 1 to 3 digits.
+_SHORT_YEAR = re.compile(r"(\d{1,3})-")
 
 
 def as_time(value: object) -> datetime:
-    """A time read from either backend (``timestamptz`` or SQLite's ISO text), aware UTC."""
-    if isinstance(value, datetime):
-        return value.astimezone(UTC)
+    """A time read from either backend (``timestamptz`` or SQLite's ISO text), aware UTC.
+
+    A time without an offset is UTC (what both backends hold): asyncpg gives PostgreSQL's
+    ``-infinity`` and ``infinity``, which it writes for the first and last microsecond of the
+    years 1 to 9999, back without one. Text an earlier version wrote with an unpadded year
+    ("1-01-01T...") reads as the time it is."""
     if isinstance(value, str):
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
+        text = value.strip().replace("Z", "+00:00")
+        short = _SHORT_YEAR.match(text)
+        if short is not None:
+            text = short.group(1).zfill(4) + text[short.end(1) :]
+        value = datetime.fromisoformat(text)
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
     raise TypeError(f"not a time: {value!r}")
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+from datetime import UTC, datetime
 
 import pytest
 
-from consumers._db import DatabaseError, SqliteDatabase, WriteConflict, open_database
+from consumers._db import DatabaseError, SqliteDatabase, WriteConflict, as_time, open_database
 
 pytestmark = pytest.mark.asyncio
 
@@ -167,3 +168,44 @@ async def test_what_is_committed_reaches_the_database_file_within_about_a_second
         # three rounds (how many it holds depends on when the checkpoints fell).
         assert tmp_path.joinpath("state.db-wal").stat().st_size < 3 * 500 * 4096
         assert await db.fetchone("SELECT count(*) FROM b") == (3 * 500 * 4096 // 20_480,)
+
+
+#: Years the contract allows (1 to 9999), the early ones below 1000 included.
+_TIMES = [
+    datetime(1, 1, 1, tzinfo=UTC),
+    datetime(999, 12, 31, 23, 59, 59, tzinfo=UTC),
+    datetime(2025, 1, 6, 12, 0, 0, 250_000, tzinfo=UTC),
+    datetime(9999, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC),
+]
+
+
+async def test_times_of_every_year_read_back_and_sort_in_time_order(db_url):
+    """SQLite keeps times as text, which must read back and sort as time for any year a
+    message may carry. Before, the year 1 was written "1-01-01T..." (glibc's %Y does not pad):
+    reading it back raised ValueError (the audit history of that event or VM failed), and the
+    year 999 sorted after 2025."""
+    async with open_database(db_url) as db:
+        column = "TEXT" if db.dialect == "sqlite" else "TIMESTAMPTZ"
+        await db.script(f"CREATE TABLE e (k INTEGER PRIMARY KEY, at {column} NOT NULL);")
+        for k, at in enumerate(reversed(_TIMES)):
+            await db.execute("INSERT INTO e (k, at) VALUES (?, ?)", k, at)
+        rows = await db.fetch("SELECT at FROM e ORDER BY at")
+        assert [as_time(at) for (at,) in rows] == _TIMES
+        before = await db.fetch(
+            "SELECT count(*) FROM e WHERE at < ?", datetime(1000, 1, 1, tzinfo=UTC)
+        )
+        assert before == [(2,)]
+
+
+@pytest.mark.parametrize(
+    ("stored", "moment"),
+    [
+        ("1-01-01T00:00:00.000000Z", datetime(1, 1, 1, tzinfo=UTC)),
+        ("999-12-31T23:59:59.000000Z", datetime(999, 12, 31, 23, 59, 59, tzinfo=UTC)),
+        ("0999-12-31T23:59:59.000000Z", datetime(999, 12, 31, 23, 59, 59, tzinfo=UTC)),
+    ],
+)
+async def test_a_time_written_unpadded_by_an_earlier_version_still_reads(stored, moment):
+    """Rows an earlier version wrote with an unpadded year stay in the (append-only) ledger:
+    they read back as the time they are, not as an error."""
+    assert as_time(stored) == moment
