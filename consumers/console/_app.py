@@ -123,8 +123,9 @@ class _Guard:
             return
         headers = Headers(scope=scope)
         secure = scope.get("scheme") == "https"
-        cookies = _cookies(headers)
-        cookie = cookies.get(SECURE_SESSION_COOKIE) or cookies.get(SESSION_COOKIE)
+        # Over https only the __Host- cookie counts: a plain one may have been planted by a
+        # sibling subdomain or over plain http, and would sign this browser in as its maker.
+        cookie = _cookies(headers).get(SECURE_SESSION_COOKIE if secure else SESSION_COOKIE)
         proxy_user = headers.get(self.auth.proxy_header) if self.auth.proxy_header else None
         current = self.auth.current(cookie, proxy_user)
         session = current.session

@@ -638,3 +638,22 @@ async def test_another_applications_cookie_does_not_hide_the_session(tmp_path):
                 me = await client.get("/api/me", headers={"Cookie": header})
                 assert me.status_code == 200, header
                 assert me.json()["user"] == "alice"
+
+
+async def test_over_https_only_the_host_prefixed_cookie_counts(tmp_path):
+    """Over https the session is ``__Host-se_console`` (Secure, this host only). A plain
+    ``se_console`` is one a sibling subdomain or a man in the middle of plain http can plant:
+    it must not sign the browser in as whoever made it (session fixation)."""
+    async with console(tmp_path) as c, c.client() as attacker, c.client() as victim:
+        assert (await sign_in(attacker, "victor")).status_code == 303
+        planted = attacker.cookies["se_console"]
+        https = {"X-Forwarded-Proto": "https", "Cookie": f"se_console={planted}"}
+        me = await victim.get("/api/me", headers=https)
+        assert me.status_code == 401
+        form = await victim.get("/login", headers=https)
+        assert form.status_code == 200  # the sign-in form, not a redirect into victor's session
+        # The same session under the https name counts over https (and only there).
+        secure = {"X-Forwarded-Proto": "https", "Cookie": f"__Host-se_console={planted}"}
+        assert (await victim.get("/api/me", headers=secure)).json()["user"] == "victor"
+        plain = await victim.get("/api/me", headers={"Cookie": f"__Host-se_console={planted}"})
+        assert plain.status_code == 401
