@@ -206,8 +206,11 @@ class EventState:
         return not self.phase.is_over and (self.started or self.approved_or_sent)
 
     def set_event(self, event: ScheduledEvent) -> None:
+        # The version first: should it fail, the state keeps the content it was computed for
+        # (content judged under another content's version is how a lie becomes an approval).
+        version = event_version(event)
         self.event = event
-        self.version = event_version(event)
+        self.version = version
 
     def reported(self) -> tuple[str, ...]:
         """The VMs that reported on this event, in Resources order first."""

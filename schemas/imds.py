@@ -84,11 +84,13 @@ def parse_not_before(value: str) -> datetime | None:
         return None
     try:
         parsed = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError) as exc:
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        # A date at the edge of the calendar in another zone ("31 Dec 9999 23:00 -0500") has
+        # no UTC equivalent: OverflowError, not a date either.
+        return parsed.astimezone(UTC)
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"NotBefore {value!r} is not an RFC 1123 date") from exc
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
-    return parsed.astimezone(UTC)
 
 
 def format_not_before(value: datetime | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -16,7 +17,15 @@ from consumers._approver_state import ApproverState
 from consumers._audit import open_ledger
 from consumers._cli import main
 from consumers._db import DatabaseError, WriteConflict, open_database
-from schemas import Approval, ReplyAddress, TransportError, key_id, load_public_keys, verify
+from schemas import (
+    Approval,
+    ReplyAddress,
+    TransportError,
+    event_version,
+    key_id,
+    load_public_keys,
+    verify,
+)
 from schemas.approvals import generate_signing_key
 from schemas.messages import AgentMessage, LifecycleMessage, TransitionMessage, content_digest
 from schemas.transport import MemoryTransport, OutgoingMessage
@@ -732,3 +741,54 @@ async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_s
     await service.handle(heartbeat(ids["c"], at=now[0]))
     decided = [d for d in service.decisions if d.event_id == "NEXT"]
     assert [d.action for d in decided] == [Action.WAIT, Action.APPROVE]
+
+
+async def test_a_report_whose_not_before_has_no_utc_equivalent_never_gets_the_real_version_approved():
+    """A neighbour reports web-1's Platform reboot as user-initiated, with a NotBefore that
+    parses but has no UTC equivalent. Computing its version raised OverflowError after the view
+    had taken the new content; the stream retried the message, the content now matched, and the
+    policy approved the lie under the real event's version, which web-1's agent would apply.
+    Now the lie has a version of its own: whatever is approved of it, web-1's agent refuses as
+    ``event-changed``; the real version is never approved."""
+    from consumers._origin import Origin
+
+    name = f"nb-{uuid.uuid4().hex}"
+    now = datetime.now(UTC)
+    real = event("EVT-X", source="Platform", resources=("web-1",))  # the sample policy: wait
+    lie = transition(
+        "scheduled",
+        event("EVT-X", source="User", resources=("web-1",)),
+        vm("evil"),
+        at=now + timedelta(seconds=1),
+    )
+    body = json.loads(lie.to_bytes())
+    body["data"]["event"]["NotBefore"] = "Fri, 31 Dec 9999 23:00:00 -0500"
+    async with (
+        MemoryTransport(name) as central,
+        MemoryTransport(name, user="web-1") as web1,
+        MemoryTransport(name, user="evil") as evil,
+    ):
+        service = ApproverService(central, generate_signing_key(), origin=Origin.VM_USER)
+        await central.declare_group("approver")
+        runner = asyncio.create_task(service.run())
+        await web1.publish(lifecycle_message(heartbeat(vm("web-1"), at=now)))
+        await web1.publish(lifecycle_message(transition("scheduled", real, vm("web-1"), at=now)))
+        await evil.publish(lifecycle_message(heartbeat(vm("evil"), at=now)))
+        await evil.publish(
+            OutgoingMessage(
+                body=json.dumps(body).encode(),
+                message_id=lie.id,
+                content_type="application/cloudevents+json",
+                routing_key=lie.routing_key,
+            )
+        )
+        approvals = []
+        with contextlib.suppress(TimeoutError):
+            async with central.approvals("web-1") as sub, asyncio.timeout(2.0):
+                async for delivery in sub:
+                    await delivery.ack()
+                    approvals.append(Approval.from_bytes(delivery.body))
+        service.stop()
+        await asyncio.wait_for(runner, 5)
+    assert [a.event_version for a in approvals if a.event_version == event_version(real)] == []
+    assert service.stream.stats.retried == 0  # handled once: no handler failed on it

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from schemas import API_VERSIONS, ScheduledEvent, ScheduledEventsDocument, SchemaError
+from schemas import (
+    API_VERSIONS,
+    ScheduledEvent,
+    ScheduledEventsDocument,
+    SchemaError,
+    event_version,
+)
 from schemas.imds import format_not_before, parse_not_before
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "imds"
@@ -41,6 +47,21 @@ def test_not_before_is_rfc1123_to_an_aware_datetime_and_empty_to_none() -> None:
         "Mon, 11 Apr 2022 22:26:58 GMT"
     )
     assert format_not_before(None) == ""
+
+
+def test_a_not_before_with_no_utc_equivalent_is_kept_as_text_not_an_error() -> None:
+    """A date at the calendar's edge in another zone parses, but has no UTC equivalent: it is
+    kept as sent and not a date, like any other NotBefore that is not one, and the event still
+    has a version (an OverflowError there let a report's content be judged under the version of
+    the content before it)."""
+    text = "Fri, 31 Dec 9999 23:00:00 -0500"
+    event = ScheduledEvent.from_imds(
+        {"EventId": "E", "EventStatus": "Scheduled", "EventType": "Reboot", "NotBefore": text}
+    )
+    assert event.not_before is None
+    assert not event.not_before_valid
+    assert event.not_before_text == text
+    assert event_version(event) != event_version(event.model_copy(update={"not_before_text": ""}))
 
 
 def test_a_started_event_serialises_an_empty_not_before() -> None:
