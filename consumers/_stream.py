@@ -594,6 +594,20 @@ class FleetStream:
         except SchemaError as exc:
             await self._bad_input(delivery, body, exc)
             return None
+        except Exception as exc:  # the decoder promises SchemaError only
+            # A decoder defect met by a hostile body: it costs that message, not the stream
+            # (which would stop, and meet it again on every restart until the broker gave up).
+            log.exception(
+                "group %s: message %s could not be decoded (%s: %s, a defect of the decoder): "
+                "dead-lettered (invalid)",
+                self.group,
+                delivery.message_id or "(no id)",
+                type(exc).__name__,
+                str(exc)[:300],
+            )
+            detail = f"the decoder failed: {type(exc).__name__}: {str(exc)[:900]}"
+            await self._dead_letter(delivery, DeadLetterReason.INVALID.value, detail)
+            return None
         if self.origin is not None:
             try:
                 authenticate(message, delivery, self.origin, self.verifier)

@@ -175,7 +175,7 @@ def dataschema_uri(name: str) -> str:
 
 
 class _Data(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
 
 class TransitionData(_Data):
@@ -290,7 +290,7 @@ class _Envelope(BaseModel):
     """The CloudEvents 1.0 context attributes, plus the extensions ``sequence`` and
     ``schemaversion``."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
     kinds: ClassVar[frozenset[MessageType]] = frozenset()
     schema_name: ClassVar[str] = ""
 

@@ -16,8 +16,11 @@ SCHEMA_VERSION = "1.1"
 
 def _major(version: str) -> int:
     head, _, _ = version.partition(".")
-    if not head.isdigit():
-        raise SchemaError(f"schema version {version!r} is not MAJOR.MINOR")
+    # ASCII digits only ("²".isdigit() is true, and int() refuses it), and few of them (int()
+    # refuses more than 4,300): anything else is not a version, never an exception of another
+    # kind that a consumer would not expect from a bad message.
+    if not (head.isascii() and head.isdigit()) or len(head) > 6:
+        raise SchemaError(f"schema version {version[:40]!r} is not MAJOR.MINOR")
     return int(head)
 
 

@@ -96,6 +96,36 @@ async def test_bad_input_of_each_kind_is_dead_lettered_with_its_reason_and_good_
     assert stream.stats.dead_lettered == 5
 
 
+async def test_a_decoder_defect_costs_the_message_that_met_it_not_the_stream(
+    transport, monkeypatch
+):
+    """The decoder promises SchemaError and nothing else; should a body meet a defect of it
+    anyway (a schema version "\u00b2.1" raised ValueError before), the stream dead-letters that
+    message and reads on, instead of stopping and meeting it again on every restart. A stand-in
+    decoder raises here (what a defect looks like), as no known input makes the real one fail
+    that way any more."""
+    import consumers._stream as stream_module
+
+    real_decode = stream_module.decode
+
+    def flawed(body: bytes | str) -> LifecycleMessage:
+        if b"defect" in (body if isinstance(body, bytes) else body.encode()):
+            raise RuntimeError("a decoder defect")
+        return real_decode(body)
+
+    monkeypatch.setattr(stream_module, "decode", flawed)
+    good = transition("started", event(status="Started"), vm("web-1"))
+    stream = FleetStream(transport, "audit")
+    async with stream:
+        await transport.publish(raw(b'{"defect": true}', "poison"))
+        await transport.publish(lifecycle_message(good))
+        got = await collect(stream, 1)
+    assert [m.id for m in got] == [good.id]
+    [dead] = await dead_letters(transport, "audit", 1)
+    assert dead.properties["dead_letter_reason"] == "invalid"
+    assert "RuntimeError: a decoder defect" in str(dead.properties["dead_letter_description"])
+
+
 async def test_an_unknown_type_of_our_own_prefix_is_skipped_not_dead_lettered(transport):
     good = heartbeat(vm("web-1"))
     newer = dict(

@@ -52,6 +52,36 @@ def _mutated(field: str, value: object) -> bytes:
 
 
 @pytest.mark.parametrize(
+    "version", ["\u00b2.1", "\u0661.0", "1" * 5000 + ".0"], ids=["superscript", "arabic", "huge"]
+)
+def test_a_schema_version_that_is_not_ascii_digits_is_a_schema_error(version: str) -> None:
+    """``"\u00b2".isdigit()`` is true and ``int()`` refuses it (and more than 4,300 digits): the
+    decoder raised ValueError, which no consumer expects from a bad message, and the stream
+    stopped on it each time the broker delivered it again."""
+    raw = _mutated("schemaversion", version)
+    with pytest.raises(SchemaError, match="MAJOR.MINOR"):
+        decode(raw)
+    with pytest.raises(SchemaError):
+        _decode_slowly(raw)
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_no_nan_or_infinity_in_a_number_field_on_either_path(token: str) -> None:
+    """JSON has no NaN: the careful path refused it, and the one-pass parse took it into a
+    float field (a hook's duration here), so the two paths disagreed on the same bytes."""
+    message = json.loads(next(m for m in MESSAGES if b'"duration_seconds"' in m))
+    message["data"]["duration_seconds"] = 1.5
+    raw = (
+        json.dumps(message)
+        .encode()
+        .replace(b'"duration_seconds": 1.5', token.encode().join([b'"duration_seconds": ', b""]))
+    )
+    assert token.encode() in raw
+    with pytest.raises(SchemaError):
+        decode(raw)
+
+
+@pytest.mark.parametrize(
     "raw",
     [
         _mutated("sequence", MAX_SEQUENCE + 1),
