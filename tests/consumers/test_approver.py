@@ -743,7 +743,7 @@ async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_s
     assert [d.action for d in decided] == [Action.WAIT, Action.APPROVE]
 
 
-async def test_a_report_whose_not_before_has_no_utc_equivalent_never_gets_the_real_version_approved():
+async def test_a_not_before_with_no_utc_equivalent_never_gets_the_real_version_approved():
     """A neighbour reports web-1's Platform reboot as user-initiated, with a NotBefore that
     parses but has no UTC equivalent. Computing its version raised OverflowError after the view
     had taken the new content; the stream retried the message, the content now matched, and the

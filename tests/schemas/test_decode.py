@@ -59,7 +59,7 @@ def test_a_schema_version_that_is_not_ascii_digits_is_a_schema_error(version: st
     decoder raised ValueError, which no consumer expects from a bad message, and the stream
     stopped on it each time the broker delivered it again."""
     raw = _mutated("schemaversion", version)
-    with pytest.raises(SchemaError, match="MAJOR.MINOR"):
+    with pytest.raises(SchemaError, match=r"MAJOR\.MINOR"):
         decode(raw)
     with pytest.raises(SchemaError):
         _decode_slowly(raw)
