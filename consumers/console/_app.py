@@ -170,14 +170,14 @@ class _Guard:
         if method not in _SAFE:
             if not _same_origin(headers, scope.get("scheme", "http")):
                 log.warning(
-                    "refused %s %s by %s: another site's request", method, path, session.user
+                    "refused %s %r by %s: another site's request", method, path, session.user
                 )
                 await _error(403, "refused: this request comes from another site")(
                     scope, receive, send_with_headers
                 )
                 return
             if not same_token(headers.get("x-csrf-token"), session.csrf):
-                log.warning("refused %s %s by %s: no valid CSRF token", method, path, session.user)
+                log.warning("refused %s %r by %s: no valid CSRF token", method, path, session.user)
                 await _error(403, "refused: the request has no valid CSRF token; reload the page")(
                     scope, receive, send_with_headers
                 )

@@ -20,7 +20,7 @@ import hmac
 from dataclasses import dataclass
 
 from ._sessions import Session, SessionCodec, Throttle
-from ._users import Role, UsersFile
+from ._users import Role, UsersFile, is_plain_text
 
 __all__ = ["Authenticator"]
 
@@ -65,6 +65,8 @@ class Authenticator:
         name = name.strip()
         if not name or not secret or len(name) > 200 or len(secret) > 1024:
             return None
+        if not is_plain_text(name):  # the name is logged, and recorded in the audit
+            return None
         if self.users is not None:
             user = await asyncio.to_thread(self.users.check, name, secret)
             if user is not None:
@@ -79,7 +81,7 @@ class Authenticator:
         session = self.codec.read(cookie)
         if self.by_proxy:
             who = (proxy_user or "").strip()
-            if not who or len(who) > 200:
+            if not who or len(who) > 200 or not is_plain_text(who):
                 return Current(None)
             role = self._role_of(who)
             if session is not None and session.via == "proxy" and session.user == who:

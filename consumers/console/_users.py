@@ -25,6 +25,7 @@ import hmac
 import os
 import secrets
 import tempfile
+import unicodedata
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -37,6 +38,7 @@ __all__ = [
     "User",
     "UsersFile",
     "hash_password",
+    "is_plain_text",
     "verify_password",
     "write_user",
 ]
@@ -103,11 +105,28 @@ def verify_password(password: str, stored: str, *, dummy_iterations: int = 0) ->
     return hmac.compare_digest(derived, expected)
 
 
+#: Control characters, line and paragraph separators, lone surrogates.
+_NOT_TEXT = frozenset({"Cc", "Cs", "Zl", "Zp"})
+
+
+def is_plain_text(text: str) -> bool:
+    """No control character, line break or lone surrogate: names and reasons end up in log
+    lines (a line break in one would forge a line) and in the database (which refuses a lone
+    surrogate, and PostgreSQL a NUL)."""
+    return text.isprintable() or not any(unicodedata.category(c) in _NOT_TEXT for c in text)
+
+
 def _check_name(name: str) -> str:
-    if not name or len(name) > 200 or any(c in name for c in ":\r\n\t") or name != name.strip():
+    if (
+        not name
+        or len(name) > 200
+        or ":" in name
+        or name != name.strip()
+        or not is_plain_text(name)
+    ):
         raise ConfigError(
-            f"user name {name!r}: 1 to 200 characters, no colon, tab, line break or "
-            "leading/trailing space"
+            f"user name {name!r}: 1 to 200 characters, no colon, tab, line break, control "
+            "character or leading/trailing space"
         )
     return name
 
@@ -128,7 +147,10 @@ def _parse_line(path: Path, number: int, line: str) -> User:
             f"{path}:{number}: the hash of {name!r} is not pbkdf2_sha256$ITERATIONS$SALT$HASH "
             "(write it with `scheduled-events console-user`)"
         )
-    return User(_check_name(name), role, password_hash)
+    try:
+        return User(_check_name(name), role, password_hash)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}:{number}: {exc}") from None
 
 
 def _read(path: Path) -> dict[str, User]:

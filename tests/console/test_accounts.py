@@ -63,6 +63,7 @@ def test_the_users_file_roles_and_proxy_only_users(tmp_path):
         ("alice", "expected NAME:ROLE:HASH"),
         ("alice:admin:-", "is not operator or viewer"),
         ("alice:viewer:plain-text-password", "is not pbkdf2_sha256"),
+        ("ali\x1b[2Kce:viewer:-", "control character"),
     ],
 )
 def test_a_bad_users_file_says_which_line(tmp_path, line, said):

@@ -657,3 +657,23 @@ async def test_over_https_only_the_host_prefixed_cookie_counts(tmp_path):
         assert (await victim.get("/api/me", headers=secure)).json()["user"] == "victor"
         plain = await victim.get("/api/me", headers={"Cookie": f"__Host-se_console={planted}"})
         assert plain.status_code == 401
+
+
+async def test_a_request_cannot_forge_lines_in_the_log(tmp_path, caplog):
+    """The path is logged when a change is refused, decoded (``%0A`` is a line break); a name
+    given with the shared token is logged at sign-in. Neither writes a line of its own."""
+    caplog.set_level("INFO", logger="consumers.console")
+    forged = "\n2030-01-01 INFO consumers.console: sign-in: mallory (operator, by password)"
+    async with (
+        console(tmp_path, token="a-long-shared-token") as c,
+        c.client() as client,
+        c.client() as other,
+    ):
+        await signed_in(client, "victor")
+        refused = await client.post("/x%0A2030-01-01 INFO sign-in: mallory (operator, by password)")
+        assert refused.status_code == 403
+        named = await sign_in(other, f"ops{forged}", "a-long-shared-token")
+        assert named.status_code == 401
+    lines = [record.getMessage() for record in caplog.records]
+    assert any(line.startswith("refused POST '/x\\n2030") for line in lines), lines
+    assert not [line for line in lines if "\n" in line]
