@@ -51,6 +51,7 @@ from .._timeline import entry_line
 from ._auth import Authenticator
 from ._service import ActionRefused, ConsoleService
 from ._sessions import Session, same_token
+from ._users import is_plain_text
 
 __all__ = ["create_app"]
 
@@ -246,13 +247,31 @@ def _text(data: dict[str, Any], key: str, *, limit: int = 500) -> str:
 
 
 def _time(value: str | None, name: str) -> datetime | None:
+    """A search bound in UTC (a time without an offset is UTC, as the page sends it)."""
     if not value:
         return None
     try:
         moment = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError as exc:
         raise ActionRefused(400, f"{name}: not a date and time ({value!r})") from exc
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    try:  # 0001-01-01T00:00+01:00 is a valid time whose UTC is before year 1
+        return moment.astimezone(UTC)
+    except OverflowError:
+        raise ActionRefused(
+            400, f"{name}: {value!r} is outside the years 1 to 9999 in UTC"
+        ) from None
+
+
+def _term(value: str | None, name: str) -> str | None:
+    """A search term: at most 200 characters of text (the database refuses a NUL)."""
+    term = (value or "").strip()
+    if len(term) > 200:
+        raise ActionRefused(400, f"{name}: longer than 200 characters")
+    if not is_plain_text(term):
+        raise ActionRefused(400, f"{name}: holds a control character")
+    return term or None
 
 
 def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
@@ -453,9 +472,9 @@ def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
             if event_id is not None and not _EVENT_ID.match(event_id):
                 raise ActionRefused(400, f"{event_id!r} is not an event id")
             entries = await console.search(
-                vm=(query.get("vm") or "").strip() or None,
+                vm=_term(query.get("vm"), "vm"),
                 event_id=event_id,
-                event_type=(query.get("type") or "").strip() or None,
+                event_type=_term(query.get("type"), "type"),
                 since=_time(query.get("since"), "since"),
                 until=_time(query.get("until"), "until"),
                 limit=max(1, min(limit, 5000)),

@@ -677,3 +677,20 @@ async def test_a_request_cannot_forge_lines_in_the_log(tmp_path, caplog):
     lines = [record.getMessage() for record in caplog.records]
     assert any(line.startswith("refused POST '/x\\n2030") for line in lines), lines
     assert not [line for line in lines if "\n" in line]
+
+
+async def test_a_history_search_out_of_range_is_a_400_that_says_why(tmp_path):
+    """A valid ISO time whose UTC falls outside years 1 to 9999, or a search term the database
+    cannot hold (a NUL), is the searcher's mistake: a 400 that says which, not a 500."""
+    async with console(tmp_path) as c, c.client() as client:
+        await signed_in(client, "victor")
+        for params, said in (
+            ({"since": "0001-01-01T00:00:00+01:00"}, "since: "),
+            ({"until": "9999-12-31T23:59:59-01:00"}, "until: "),
+            ({"vm": "web\x00-1"}, "vm: "),
+            ({"type": "x" * 201}, "type: "),
+        ):
+            response = await client.get("/api/history", params=params)
+            assert response.status_code == 400, params
+            assert response.json()["error"].startswith(said), response.json()
+        assert (await client.get("/api/history", params={"since": "0001-01-02"})).status_code == 200
