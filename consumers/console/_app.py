@@ -232,6 +232,8 @@ async def _json(request: Request) -> dict[str, Any]:
         data = json.loads(await _body(request) or b"{}")
     except ValueError as exc:
         raise ActionRefused(400, f"the body is not JSON: {exc}") from exc
+    except RecursionError:  # 16 KiB hold 8,000 nested arrays: the parser runs out of stack
+        raise ActionRefused(400, "the body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ActionRefused(400, "the body must be a JSON object")
     return data
@@ -243,6 +245,10 @@ def _text(data: dict[str, Any], key: str, *, limit: int = 500) -> str:
         raise ActionRefused(400, f"{key} must be a string")
     if len(value) > limit:
         raise ActionRefused(400, f"{key} is longer than {limit} characters")
+    if not is_plain_text(value):  # logged, and stored: no line break, no lone surrogate
+        raise ActionRefused(
+            400, f"{key} holds a control character, a line break or a lone surrogate"
+        )
     return value
 
 

@@ -694,3 +694,34 @@ async def test_a_history_search_out_of_range_is_a_400_that_says_why(tmp_path):
             assert response.status_code == 400, params
             assert response.json()["error"].startswith(said), response.json()
         assert (await client.get("/api/history", params={"since": "0001-01-02"})).status_code == 200
+
+
+async def test_a_hostile_action_body_is_a_400_and_changes_nothing(tmp_path):
+    """Nested arrays 8,000 deep (16 KiB allows them), a lone surrogate (valid JSON, no UTF-8 can
+    store it) or a line break in a reason, version or VM: a 400 that says what is wrong, not a
+    500, and nothing held, approved or recorded."""
+    async with console(tmp_path) as c, c.client() as client:
+        _ev, identity, message = scheduled("EVT-HOSTILE")
+        await c.publish(heartbeat(identity, at=NOW), message)
+        await c.known("EVT-HOSTILE")
+        headers = {"X-CSRF-Token": await signed_in(client, "alice")}
+        json_headers = headers | {"Content-Type": "application/json"}
+        for action, body, said in (
+            ("hold", b"[" * 8000, "nested"),
+            ("hold", b'{"reason": "x\\ud800"}', "reason"),
+            ("hold", b'{"reason": "x\\n2030-01-01 INFO forged"}', "reason"),
+            ("release", b'{"reason": "\\u0000"}', "reason"),
+            ("approve", b'{"version": "\\udfff"}', "version"),
+            ("approve", b'{"version": "1", "vm": "web-1\\ud800"}', "vm"),
+        ):
+            response = await client.post(
+                f"/api/events/EVT-HOSTILE/{action}", content=body, headers=json_headers
+            )
+            assert response.status_code == 400, (body, response.text)
+            assert said in response.json()["error"], response.json()
+        assert await ApproverState(c.db, "approver").holds() == {}
+        assert await Ledger(c.db).history(event_id="EVT-HOSTILE") == []
+        held = await client.post(
+            "/api/events/EVT-HOSTILE/hold", json={"reason": "naïve café ☕"}, headers=headers
+        )
+        assert held.status_code == 200, held.text
