@@ -115,49 +115,98 @@ class ApproverState:
         return await self.current_version() != self.version
 
     async def load(self, fleet: FleetView) -> Loaded:
-        """Rebuild ``fleet`` from the stored messages (oldest first) and the approvals sent."""
+        """Rebuild ``fleet`` from the stored messages (oldest first) and the approvals sent.
+
+        A row that cannot be read (a downgrade, a hand edit, anyone with INSERT on the
+        append-only ledger) is skipped with a warning that names it: it costs what that row
+        said, never the load (which every standby taking over and every process after a
+        refused commit needs before it decides anything)."""
         version = await self.current_version()
         loaded = Loaded()
         rows = await self.db.fetch(
-            "SELECT raw FROM approver_messages WHERE grp = ? ORDER BY position", self.group
+            "SELECT position, raw FROM approver_messages WHERE grp = ? ORDER BY position",
+            self.group,
         )
         with fleet.replaying():
-            for (raw,) in rows:
+            for position, raw in rows:
                 try:
-                    message = decode(bytes(raw))
-                except SchemaError as exc:  # only a downgrade could make one unreadable
-                    log.error("approver state: a stored message cannot be read (%s): skipped", exc)
+                    message = decode(_blob(raw))
+                except SchemaError as exc:
+                    log.warning(
+                        "approver state: stored message %s of group %s cannot be read (%s): "
+                        "skipped; the fleet view is rebuilt without it",
+                        position,
+                        self.group,
+                        exc,
+                    )
                     continue
                 fleet.apply(message)
                 loaded.messages += 1
         approvals = await self.db.fetch(
-            "SELECT event_id, event_version, target, reply_channel, reply_key, body, state, at "
-            "FROM approver_approvals WHERE grp = ? ORDER BY at",
+            "SELECT approval_id, event_id, event_version, target, reply_channel, reply_key, "
+            "body, state, at FROM approver_approvals WHERE grp = ? ORDER BY at",
             self.group,
         )
-        for event_id, version_sent, target, channel, key, body, status, at in approvals:
+        for row in approvals:
+            approval_id, event_id, version_sent, target, channel, key, body, status, at = row
             state = fleet.event(event_id)
             if state is None:
                 continue
-            approval = Approval.from_bytes(bytes(body))
-            state.sent = SentApproval(approval.approval_id, version_sent, target, as_time(at))
+            try:
+                approval = Approval.from_bytes(_blob(body))
+                sent_at = as_time(at)
+                address = ReplyAddress(channel=channel, key=key)
+            except (SchemaError, ValueError, TypeError, OverflowError) as exc:
+                log.warning(
+                    "approver state: stored approval %s of event %s cannot be read (%s): "
+                    "skipped; the event is decided as if it had not been signed",
+                    approval_id,
+                    event_id,
+                    exc,
+                )
+                continue
+            state.sent = SentApproval(approval.approval_id, version_sent, target, sent_at)
             fleet.refresh(state)
             if status == "sending":
-                loaded.unsent.append(
-                    PendingApproval(approval, ReplyAddress(channel=channel, key=key))
-                )
+                loaded.unsent.append(PendingApproval(approval, address))
         open_ids = [s.event_id for s in fleet.events(open_only=True)]
         for event_id in open_ids:
-            row = await self.db.fetchone(
-                "SELECT body FROM ledger_decisions WHERE event_id = ? "
-                "ORDER BY time DESC, position DESC LIMIT 1",
-                event_id,
-            )
-            if row is not None:
-                body = row[0] if isinstance(row[0], dict) else json.loads(row[0])
-                loaded.last_decisions[event_id] = (body["action"], body["reason"])
+            last = await self._last_decision(event_id)
+            if last is not None:
+                loaded.last_decisions[event_id] = last
         self.version = version
         return loaded
+
+    async def _last_decision(self, event_id: str) -> tuple[str, str] | None:
+        """The newest readable decision on ``event_id`` in the ledger: (action, reason).
+
+        Usually one row is read. One that cannot be read is skipped with a warning, and the
+        one before it counts; past the newest :data:`_DECISIONS_LOOKED_AT`, the event is
+        decided as if none had been recorded (its next decision is recorded again)."""
+        skipped = 0
+        for limit in (1, _DECISIONS_LOOKED_AT - 1):
+            rows = await self.db.fetch(
+                "SELECT position, body FROM ledger_decisions WHERE event_id = ? "
+                "ORDER BY time DESC, position DESC LIMIT ? OFFSET ?",
+                event_id,
+                limit,
+                skipped,
+            )
+            for position, body in rows:
+                try:
+                    return _decision_of(body)
+                except ValueError as exc:
+                    skipped += 1
+                    log.warning(
+                        "approver state: decision %s of event %s in the ledger cannot be read "
+                        "(%s): skipped; the one recorded before it counts",
+                        position,
+                        event_id,
+                        exc,
+                    )
+            if len(rows) < limit:
+                break
+        return None
 
     async def stored(self, vm: str, message_id: str) -> bytes | None:
         """The message VM ``vm`` sent under ``message_id``, as received, or None. Ids are the
@@ -168,7 +217,20 @@ class ApproverState:
             message_id,
             vm.casefold(),
         )
-        return None if row is None else bytes(row[0])
+        if row is None:
+            return None
+        try:
+            raw = _blob(row[0])
+        except SchemaError as exc:
+            log.warning(
+                "approver state: stored message %s of %s cannot be read (%s): taken as not "
+                "stored; the message is handled as new",
+                message_id,
+                vm,
+                exc,
+            )
+            return None
+        return raw.encode() if isinstance(raw, str) else raw
 
     # ------------------------------------------------------------------------------ writing
 
@@ -342,6 +404,36 @@ def _insert_decisions(decisions: Sequence[PlannedDecision]) -> list[Statement]:
         INSERT_DECISIONS,
         [(d.at, d.event_id, d.event_type, d.target, _decision_body(d)) for d in decisions],
     )
+
+
+#: How many of an event's newest decisions a load looks at for one it can read.
+_DECISIONS_LOOKED_AT = 10
+
+
+def _blob(value: object) -> bytes | str:
+    """A stored body as the parsers take it; :class:`SchemaError` for a value of another kind
+    (SQLite keeps whatever was inserted: ``bytes(12)`` would be twelve zero bytes, and
+    ``bytes(2**40)`` a terabyte)."""
+    if isinstance(value, bytes | str):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise SchemaError(f"a stored {type(value).__name__}, not bytes")
+
+
+def _decision_of(body: object) -> tuple[str, str]:
+    """(action, reason) of a ``ledger_decisions`` body (JSON text on SQLite; asyncpg gives
+    JSONB as text too); :class:`ValueError` for anything else."""
+    try:
+        fields = json.loads(body) if isinstance(body, str | bytes) else body
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+    if not isinstance(fields, dict):
+        raise ValueError("not a JSON object")
+    action, reason = fields.get("action"), fields.get("reason")
+    if not isinstance(action, str) or not isinstance(reason, str):
+        raise ValueError("no action and reason as text")
+    return action, reason
 
 
 def _where_in(head: str, first: object, keys: Sequence[str]) -> list[Statement]:
