@@ -76,7 +76,8 @@ class Hold:
     event_id: str
     held_by: str
     reason: str
-    at: datetime
+    #: None when the stored time cannot be read (the hold holds all the same).
+    at: datetime | None
 
 
 @dataclass(slots=True)
@@ -352,8 +353,25 @@ class ApproverState:
     # -------------------------------------------------------------------------------- holds
 
     async def holds(self) -> dict[str, Hold]:
+        """The operators' holds. A hold whose time cannot be read still holds (an operator
+        asked for it; the approver leaves the event to NotBefore), its time unknown: read
+        before the first approval of every batch, one bad row must not stop every approval."""
         rows = await self.db.fetch("SELECT event_id, held_by, reason, at FROM approver_holds")
-        return {row[0]: Hold(row[0], row[1], row[2], as_time(row[3])) for row in rows}
+        holds = {}
+        for event_id, held_by, reason, at in rows:
+            when: datetime | None
+            try:
+                when = as_time(at)
+            except (ValueError, TypeError, OverflowError) as exc:
+                log.warning(
+                    "approver state: the time of the hold on %s cannot be read (%s): the hold "
+                    "stays, its time unknown",
+                    event_id,
+                    exc,
+                )
+                when = None
+            holds[str(event_id)] = Hold(str(event_id), str(held_by), str(reason), when)
+        return holds
 
     async def hold(self, record: PlannedDecision) -> None:
         """An operator's hold of ``record.event_id``, and ``record`` (the operator's decision,

@@ -157,3 +157,36 @@ async def test_an_unreadable_stored_message_is_skipped_and_named(transport, tmp_
     assert [(d.event_id, d.action.value) for d in standby.decisions] == [("EVT-2", "approve")]
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any(f"message {position} " in m for m in messages), messages
+
+
+async def test_a_hold_with_an_unreadable_time_still_holds_and_the_rest_is_decided(
+    transport, tmp_path, caplog
+):
+    """The holds are read before every batch's first approval. Before, one hold whose time
+    could not be read raised there: no event was approved any more. It is still a hold (an
+    operator asked for it: the event is not approved), with its time unknown."""
+    url = f"sqlite:///{tmp_path / 'central.db'}"
+    now = datetime.now(UTC)
+    async with open_database(url) as db:
+        await ensure_schema(db)
+        await db.execute(
+            "INSERT INTO approver_holds (event_id, held_by, reason, at) VALUES (?, ?, ?, ?)",
+            "EVT-H", "alice", "change freeze", "yesterday",
+        )  # fmt: skip
+        service = ApproverService(transport, generate_signing_key(), db=db)
+        with caplog.at_level(logging.WARNING, logger="consumers"):
+            await service.handle(heartbeat(vm("web-1"), at=now))
+            for event_id, name in (("EVT-H", "web-1"), ("EVT-2", "web-2")):
+                user = event(event_id, source="User", resources=(name,))
+                await service.handle(transition("scheduled", user, vm(name), at=now))
+        await service.commit()
+        assert service.state is not None
+        holds = await service.state.holds()
+    assert [(d.event_id, d.action.value) for d in service.decisions] == [
+        ("EVT-H", "wait"),
+        ("EVT-2", "approve"),
+    ]
+    assert "held by alice (change freeze)" in service.decisions[0].reason
+    assert holds["EVT-H"].at is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("EVT-H" in w and "yesterday" in w for w in warnings), warnings
