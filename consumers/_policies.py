@@ -31,6 +31,7 @@ version is named deliberately with ``unknown_event_types = ["Hibernate"]`` in th
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -180,6 +181,18 @@ def _group_of(identity: VmIdentity | None, group_by: str) -> object:
     return None if identity is None else getattr(identity, group_by)
 
 
+#: The most a ``percent`` may be: all of a group.
+PERCENT_MAX = 100.0
+
+
+def _within(value: float, maximum: float | None) -> bool:
+    """0 <= ``value`` <= ``maximum`` (no bound when None), and a float finite: nan passes no
+    comparison, so ``value < 0`` alone lets it through."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return value >= 0 and (maximum is None or value <= maximum)
+
+
 @dataclass(frozen=True, slots=True)
 class MaxUnavailable:
     """At most ``count`` VMs (or ``percent`` % of the VMs known) of one group unavailable at
@@ -200,6 +213,15 @@ class MaxUnavailable:
             raise ConfigError(f"max_unavailable: group_by must be one of {', '.join(GROUP_KEYS)}")
         if (self.count is None) == (self.percent is None):
             raise ConfigError("max_unavailable: give exactly one of count or percent")
+        # Checked here too, not only in the file: a nan or an inf would pass every comparison
+        # and fail in limit(), at each event a policy approves.
+        if self.count is not None and self.count < 0:
+            raise ConfigError(f"max_unavailable: count must be >= 0, not {self.count!r}")
+        if self.percent is not None and not _within(self.percent, PERCENT_MAX):
+            raise ConfigError(
+                f"max_unavailable: percent must be a number from 0 to {PERCENT_MAX:g}, "
+                f"not {self.percent!r}"
+            )
 
     def limit(self, fleet: FleetView, group: object) -> int:
         """How many VMs of ``group`` may be unavailable at once."""
@@ -337,14 +359,19 @@ class _Table:
                 )
         return _types([*value, *(deliberate or [])])
 
-    def number(self, key: str, *, integer: bool = False) -> float | None:
+    def number(
+        self, key: str, *, integer: bool = False, maximum: float | None = None
+    ) -> float | None:
+        """A number from 0 to ``maximum`` (no bound when None); finite (TOML has nan and
+        inf, which pass a ``< 0`` check)."""
         value: Any = self.data.pop(key, None)
         if value is None:
             return None
         wrong_kind = isinstance(value, bool) or not isinstance(value, int | float)
-        if wrong_kind or (integer and not isinstance(value, int)) or value < 0:
+        if wrong_kind or (integer and not isinstance(value, int)) or not _within(value, maximum):
             kind = "a whole number" if integer else "a number"
-            raise ConfigError(f"{self._where(key)} must be {kind} >= 0, not {value!r}")
+            bounds = ">= 0" if maximum is None else f"from 0 to {maximum:g}"
+            raise ConfigError(f"{self._where(key)} must be {kind} {bounds}, not {value!r}")
         return int(value) if integer else float(value)
 
     def text(self, key: str) -> str | None:
@@ -405,7 +432,7 @@ def parse_policy(data: Mapping[str, Any], source: str = "policy") -> PolicySet:
             table = _Table(source, f"max_unavailable[{index}]", raw)
             group_by = table.text("group_by")
             count = table.number("count", integer=True)
-            percent = table.number("percent")
+            percent = table.number("percent", maximum=PERCENT_MAX)
             table.done(["group_by", "count", "percent"])
             if group_by is None:
                 raise ConfigError(

@@ -161,6 +161,33 @@ def test_policy_file_errors_name_the_bad_key(tmp_path, text, message):
         load_policy_file(path)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "+inf", "-inf", "100.5", "250", "-1"])
+def test_a_percent_that_is_not_0_to_100_is_refused_when_the_file_is_loaded(tmp_path, value):
+    """TOML has nan and inf. Before, `percent = nan` (or inf, or 250) passed the `< 0` check:
+    the approver started, and then every event a policy approved failed in the guard
+    (int(nan), int(inf)) and was dead-lettered instead of decided; 250 let more VMs down than
+    the group has. The file is refused at start, naming the key and the range."""
+    path = tmp_path / "p.toml"
+    path.write_text(f"[[max_unavailable]]\ngroup_by = 'zone'\npercent = {value}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_policy_file(path)
+    assert "max_unavailable[0].percent must be a number from 0 to 100" in str(refused.value)
+
+
+@pytest.mark.parametrize("percent", [float("nan"), float("inf"), -0.5, 100.01])
+def test_a_guard_made_in_code_refuses_a_percent_that_is_not_0_to_100(percent):
+    with pytest.raises(ConfigError, match="percent must be a number from 0 to 100"):
+        MaxUnavailable("zone", percent=percent)
+
+
+def test_a_percent_of_0_or_100_is_kept():
+    _ids, _busy, view = _busy_scale_set()
+    everyone = PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", percent=100)))
+    assert decide(everyone, view, "NEXT").action is Action.APPROVE
+    nobody = PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", percent=0)))
+    assert decide(nobody, view, "NEXT").action is Action.WAIT
+
+
 def test_parse_policy_with_nothing_approves_nothing():
     view = fleet_with(event("USER", source="User"))
     assert decide(parse_policy({}), view, "USER").action is Action.WAIT
