@@ -31,6 +31,7 @@ from schemas import (
     ApprovalOutcomeMessage,
     ChannelNames,
     ConfigError,
+    LifecycleMessage,
     MessageType,
     RelayError,
     ScheduledEvent,
@@ -54,7 +55,7 @@ from ._origin import Origin, default_origin
 from ._policies import PolicySet, load_policy_file
 from ._schema import ensure_schema, grant
 from ._stream import FleetStream
-from ._timeline import entry_line, message_line
+from ._timeline import entry_line, message_line, printable
 from .console import add_console_commands
 
 __all__ = ["main"]
@@ -315,7 +316,7 @@ async def _tail(args: argparse.Namespace) -> int:
             async with stream:
                 async for message in stream:
                     if args.json:
-                        print(message.to_bytes().decode(), flush=True)
+                        print(_json_line(message), flush=True)
                     else:
                         print(message_line(message), flush=True)
 
@@ -326,6 +327,14 @@ async def _tail(args: argparse.Namespace) -> int:
 
         await _until_signalled(_quietly(task), stop)
     return 0
+
+
+def _json_line(message: LifecycleMessage) -> str:
+    """The message's JSON on one line, every character outside printable ASCII escaped
+    (``\\u009b``): the same JSON to a reader, and nothing a terminal acts on (JSON escapes
+    only C0 controls; a C1 control, DEL or a bidi override in a VM's text would pass)."""
+    text = json.dumps(json.loads(message.to_bytes()), separators=(",", ":"))
+    return text.replace("\x7f", "\\u007f")
 
 
 async def _quietly(task: asyncio.Future[None]) -> None:
@@ -424,19 +433,24 @@ async def _approve(args: argparse.Namespace) -> int:
 
 
 def _sent_line(approval_id: str, event_id: str, version: str, described: str, vm: str) -> str:
+    # The description is the event as a VM reported it (the ledger's newest report).
     return (
-        f"approval {approval_id} of event {event_id} version {version} ({described}) sent to {vm}"
+        f"approval {approval_id} of event {event_id} version {printable(version)} "
+        f"({printable(described)}) sent to {printable(vm)}"
     )
 
 
 def _print_outcome(message: ApprovalOutcomeMessage) -> int:
+    """The agent's answer, one line; what the VM wrote in it printed as text (see
+    :func:`~consumers._timeline.printable`)."""
     data = message.data
+    who = printable(message.vm.name)
     if data.applied:
         repeat = " (a repeat: it may have been applied before)" if data.repeat else ""
         dry = " [dry run: verified, not POSTed]" if data.dry_run else ""
-        print(f"applied by {message.vm.name} at {message.time.isoformat()}{repeat}{dry}")
+        print(f"applied by {who} at {message.time.isoformat()}{repeat}{dry}")
         return 0
-    print(f"rejected by {message.vm.name}: {data.reason}: {data.detail}")
+    print(f"rejected by {who}: {printable(data.reason)}: {printable(data.detail)}")
     return 1
 
 

@@ -1,4 +1,10 @@
-"""One readable line per happening, for ``tail``, ``audit history`` and the demo's timeline."""
+"""One readable line per happening, for ``tail``, ``audit history`` and the demo's timeline.
+
+Most of a line is what a VM sent (its name, Resources, NotBefore as sent, a hook's name, a
+rejection's detail) or what the ledger holds: every field is printed through :func:`printable`,
+so a control character reaches the operator's terminal as text (``\\n``, ``\\x1b``), never as
+a forged line or an escape sequence.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,28 @@ from schemas import LifecycleMessage
 
 from ._audit import LedgerEntry
 
-__all__ = ["describe", "entry_line", "message_line"]
+__all__ = ["describe", "entry_line", "message_line", "printable"]
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable(value: object) -> str:
+    """``value`` as text safe to print on a terminal: each character that is not printable
+    (C0 and C1 controls, DEL, line and paragraph separators, bidi overrides and other format
+    characters) as its Python escape (``\\n``, ``\\x1b``, ``\\u202e``). Printable text,
+    accents and other scripts included, is kept as it is."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _ESCAPES.get(c) or _escaped(c) for c in text)
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _clock(moment: datetime) -> str:
@@ -72,7 +99,10 @@ def describe(kind: str, data: dict[str, Any]) -> str:
 def _line(
     moment: datetime, who: str, kind: str, event_type: str | None, event_id: str | None, text: str
 ) -> str:
-    about = f"{event_type or '':<9} {event_id or '':<38}" if event_id else f"{'':<48}"
+    who, kind, text = printable(who), printable(kind), printable(text)
+    about = (
+        f"{printable(event_type or ''):<9} {printable(event_id):<38}" if event_id else f"{'':<48}"
+    )
     return f"{_clock(moment)}  {who:<14} {kind:<18} {about} {text}".rstrip()
 
 
