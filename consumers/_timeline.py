@@ -41,14 +41,21 @@ _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _clock(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    # isoformat pads the year to four digits (strftime's %Y does not on glibc: "1-01-01").
+    return moment.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "seconds")
+
+
+def _fields(value: object) -> dict[str, Any]:
+    """``value`` when it is a JSON object, else none: the ledger is read back as stored, and a
+    row of an unexpected shape prints what it has instead of stopping the history."""
+    return value if isinstance(value, dict) else {}
 
 
 def _event_text(event: dict[str, Any]) -> str:
     parts = []
     status = event.get("EventStatus")
     if status:
-        parts.append(status)
+        parts.append(str(status))
     not_before = event.get("NotBefore")
     if not_before:
         parts.append(f"NotBefore {not_before}")
@@ -60,17 +67,19 @@ def _event_text(event: dict[str, Any]) -> str:
         parts.append(f"by {source}")
     resources = event.get("Resources") or []
     if resources:
-        parts.append(f"Resources {', '.join(resources)}")
+        names = resources if isinstance(resources, list) else [resources]
+        parts.append(f"Resources {', '.join(str(name) for name in names)}")
     return ", ".join(parts)
 
 
 def describe(kind: str, data: dict[str, Any]) -> str:
     """What a message (its CloudEvent ``data``) or a decision says, in words."""
+    data = _fields(data)
     if kind.startswith("decision."):
         target = f" -> {data['target']}" if data.get("target") else ""
         return f"{data.get('reason', '')} [{data.get('policy', '')}]{target}"
     if kind in ("scheduled", "started", "updated", "completed", "canceled"):
-        event = data.get("event", {})
+        event = _fields(data.get("event"))
         previous = data.get("previous_status")
         moved = f"{previous} -> " if previous and kind != "updated" else ""
         if kind in ("completed", "canceled"):
@@ -119,7 +128,8 @@ def message_line(message: LifecycleMessage) -> str:
 
 
 def entry_line(entry: LedgerEntry) -> str:
-    data = entry.body.get("data", {}) if entry.record == "message" else entry.body
+    body = _fields(entry.body)
+    data = _fields(body.get("data")) if entry.record == "message" else body
     return _line(
         entry.time,
         entry.vm,

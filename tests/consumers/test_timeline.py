@@ -112,3 +112,39 @@ def test_tail_json_is_the_same_json_with_nothing_a_terminal_acts_on(hostile):
     assert _unprintable(line) == [], repr(line)
     assert line.isascii()
     assert json.loads(line) == json.loads(message.to_bytes())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"data": "not an object"},
+        {"data": {"event": "not an object"}},
+        {"data": {"event": {"Resources": [1, None, "web-1"], "EventStatus": ["x"]}}},
+        {"data": {"event": {"Resources": "web-1"}}},
+        {"data": None},
+        {},
+    ],
+)
+def test_a_ledger_message_of_an_unexpected_shape_still_prints_a_line(body):
+    """The ledger is read back as stored (anyone with INSERT on it can add a row): a body
+    whose parts are not what a message has prints what it has; before, `audit history`
+    stopped at it with AttributeError or TypeError."""
+    entry = LedgerEntry(
+        record="message",
+        time=T0,
+        kind="scheduled",
+        vm="web-1",
+        event_id="EVT-1",
+        event_type="Reboot",
+        sequence=1,
+        message_id="m-1",
+        body=body,
+    )
+    assert entry_line(entry).startswith("2025-01-06 12:00:00  web-1")
+
+
+def test_a_time_before_the_year_1000_keeps_the_columns():
+    message = transition(
+        "scheduled", event(), vm("web-1"), at=datetime(1, 2, 3, 4, 5, 6, tzinfo=UTC)
+    )
+    assert message_line(message).startswith("0001-02-03 04:05:06  web-1 ")
