@@ -42,7 +42,7 @@ from .channels import (
     vm_word,
 )
 from .fingerprints import content_fingerprint, event_version
-from .identity import VmIdentity
+from .identity import MAX_KEY_LENGTH, VmIdentity
 from .imds import (
     API_VERSIONS,
     DEFAULT_API_VERSION,
@@ -77,6 +77,7 @@ __all__ = [
     "CLOUDEVENTS_CONTENT_TYPE",
     "DEFAULT_API_VERSION",
     "DEFAULT_CHANNELS",
+    "MAX_KEY_LENGTH",
     "SCHEMA_VERSION",
     "TYPE_PREFIX",
     "AgentData",

@@ -8,7 +8,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ._errors import SchemaError
 
-__all__ = ["VmIdentity"]
+__all__ = ["MAX_KEY_LENGTH", "VmIdentity"]
+
+
+#: The longest name the contract takes where a name is a key: a VM's name, an EventId, a message
+#: or approval id, a hook's name. Azure's names and ids are far shorter (a GUID is 36); the
+#: bound keeps every key a database indexes within PostgreSQL's index entry (about 2.7 KB, and
+#: a character may take 4 bytes), so one hostile message cannot make a batch unstorable.
+MAX_KEY_LENGTH = 200
 
 
 def _as_int(value: object) -> int | None:
@@ -26,7 +33,7 @@ class VmIdentity(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
     vm_id: str = ""
     resource_id: str = ""
     subscription_id: str = ""

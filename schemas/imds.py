@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from ._errors import SchemaError
+from .identity import MAX_KEY_LENGTH
 
 __all__ = [
     "API_VERSIONS",
@@ -113,7 +114,7 @@ class ScheduledEvent(BaseModel):
         frozen=True, extra="allow", populate_by_name=True, serialize_by_alias=True
     )
 
-    event_id: str = Field(alias="EventId", min_length=1)
+    event_id: str = Field(alias="EventId", min_length=1, max_length=MAX_KEY_LENGTH)
     event_status: str = Field(alias="EventStatus")
     event_type: str = Field(alias="EventType")
     resource_type: str = Field(default="VirtualMachine", alias="ResourceType")

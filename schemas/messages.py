@@ -41,12 +41,13 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from ._errors import SchemaError
 from .channels import TYPE_PREFIX, MessageType, ReplyAddress, routing_key
 from .fingerprints import EVENT_VERSION_DEFINITION, canonical_json, event_version
-from .identity import VmIdentity
+from .identity import MAX_KEY_LENGTH, VmIdentity
 from .imds import ScheduledEvent
 from .transitions import Transition
 from .versioning import SCHEMA_VERSION, check_version
@@ -199,8 +200,8 @@ class TransitionData(_Data):
 
 class ApprovalOutcomeData(_Data):
     vm: VmIdentity
-    event_id: str
-    approval_id: str
+    event_id: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
+    approval_id: str = Field(max_length=MAX_KEY_LENGTH)
     decided_by: str
     applied: bool
     #: A :class:`~schemas.RejectReason` value when ``applied`` is false.
@@ -253,7 +254,7 @@ class HookResultData(_Data):
     vm: VmIdentity
     event: ScheduledEvent
     transition: str
-    hook: str
+    hook: str = Field(max_length=MAX_KEY_LENGTH)
     exit_code: int | None
     timed_out: bool
     duration_seconds: float
@@ -295,10 +296,17 @@ class _Envelope(BaseModel):
     schema_name: ClassVar[str] = ""
 
     specversion: Literal["1.0"]
-    id: str = Field(min_length=1)
+    id: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
     source: str = Field(min_length=1)
     type: str
-    subject: str | None = None
+    #: The EventId of the event the message is about (None for the agent's own messages):
+    #: what the audit files it under, checked against the data by :meth:`_about`.
+    subject: str | None = Field(
+        default=None,
+        max_length=MAX_KEY_LENGTH,
+        description="The EventId of the event the message is about (data.event.EventId, or "
+        "data.event_id of an approval outcome); absent from the agent's own messages.",
+    )
     time: AwareDatetime
     datacontenttype: Literal["application/json"] = "application/json"
     dataschema: str
@@ -325,6 +333,24 @@ class _Envelope(BaseModel):
     @classmethod
     def _readable_version(cls, value: str) -> str:
         return check_version(value)
+
+    @model_validator(mode="after")
+    def _about(self) -> Self:
+        # The subject is the EventId the data is about: a message of one event filed under
+        # another's would be that event's newest report to the audit (and to `approve --db`).
+        if self.subject != self._subject_of_data():
+            raise ValueError(
+                f"subject {self.subject!r} is not the event the message is about "
+                f"({self._subject_of_data()!r})"
+            )
+        return self
+
+    def _subject_of_data(self) -> str | None:
+        data = self.__dict__.get("data")
+        event = getattr(data, "event", None)
+        if isinstance(data, ApprovalOutcomeData):
+            return data.event_id
+        return event.event_id if isinstance(event, ScheduledEvent) else None
 
     @model_serializer(mode="wrap")
     def _no_null_attributes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -519,12 +545,12 @@ class NewerMessage(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
 
     specversion: Literal["1.0"]
-    id: str = Field(min_length=1)
+    id: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
     source: str = Field(min_length=1)
     #: A type name as this project writes them (lower-case words joined by dots, dashes or
     #: underscores, at most 128 characters): anything else is no newer minor's, and refused.
     type: str = Field(max_length=128, pattern=r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$")
-    subject: str | None = None
+    subject: str | None = Field(default=None, max_length=MAX_KEY_LENGTH)
     time: AwareDatetime
     sequence: int = Field(ge=0, le=MAX_SEQUENCE)
     schemaversion: str
@@ -540,6 +566,14 @@ class NewerMessage(BaseModel):
     @classmethod
     def _readable_version(cls, value: str) -> str:
         return check_version(value)
+
+    @model_validator(mode="after")
+    def _vm_name_is_a_key(self) -> Self:
+        # The VM a consumer files it under (the data's vm.name, else the source) is a key of
+        # the ledger, bounded like every VM name.
+        if len(self.vm_name) > MAX_KEY_LENGTH:
+            raise ValueError(f"the VM it names is longer than {MAX_KEY_LENGTH} characters")
+        return self
 
     @property
     def kind_name(self) -> str:

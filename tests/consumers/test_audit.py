@@ -13,6 +13,7 @@ import pytest
 from consumers import Action
 from consumers._audit import Appended, open_ledger
 from consumers._cli import main
+from schemas import MAX_KEY_LENGTH, SchemaError, decode
 
 from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
 
@@ -360,3 +361,28 @@ async def test_a_message_under_an_id_another_vm_used_first_is_recorded_too(ledge
     assert [(e.kind, e.message_id) for e in web1 if e.record == "message"] == [
         ("scheduled", own.id)
     ]
+
+
+async def test_keys_at_the_contracts_longest_are_stored_and_one_longer_is_refused(ledger_url):
+    """Names and ids are keys the ledger indexes, and PostgreSQL refuses an index entry over
+    about 2.7 KB: one message with a few KB of subject made its whole batch unstorable, and the
+    batch came back with it again and again. The contract bounds every such key
+    (``MAX_KEY_LENGTH`` characters); at that bound, in 4-byte characters, they are stored."""
+    longest = MAX_KEY_LENGTH
+    name = "\U0001d519" * longest  # 4 bytes in UTF-8 each
+    ev = event("\U0001d508" * longest, resources=(name,))
+    identity = vm(name)
+    messages = [
+        transition("scheduled", ev, identity).model_copy(update={"id": "\U0001d526" * longest}),
+        hook(identity, ev).model_copy(update={"id": "\U0001d527" * longest}),
+        outcome(identity, ev),
+    ]
+    async with open_ledger(ledger_url) as ledger:
+        for message in messages:
+            assert await ledger.append(message) is Appended.NEW
+        history = await ledger.history(event_id=ev.event_id)
+    assert len([e for e in history if e.record == "message"]) == 3
+    too_long = json.loads(messages[0].to_bytes())
+    too_long["id"] = "x" * (longest + 1)
+    with pytest.raises(SchemaError, match="at most 200 characters"):
+        decode(json.dumps(too_long).encode())

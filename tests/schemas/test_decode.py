@@ -108,9 +108,39 @@ def test_what_no_database_can_store_is_refused_at_decode(raw: bytes) -> None:
         decode(raw)
 
 
+def _fixture(name: str) -> dict[str, Any]:
+    return json.loads(next(m for m, p in zip(MESSAGES, FIXTURES, strict=False) if p.stem == name))
+
+
+@pytest.mark.parametrize(
+    ("name", "subject"),
+    [
+        ("scheduled", "EVT-OTHER"),
+        ("scheduled", None),
+        ("approval.rejected", "EVT-OTHER"),
+        ("hook.completed", "EVT-OTHER"),
+        ("agent.heartbeat", "EVT-1"),
+    ],
+)
+def test_the_subject_is_the_event_the_message_carries(name: str, subject: str | None) -> None:
+    """The audit files a message under its subject: a VM's report of its own event sent
+    under another event's id was that event's newest report (its timeline, and what
+    ``approve EVENT --db`` bound the operator's approval to)."""
+    message = _fixture(name)
+    if subject is None:
+        del message["subject"]
+    else:
+        message["subject"] = subject
+    raw = json.dumps(message).encode()
+    with pytest.raises(SchemaError, match="subject"):
+        decode(raw)
+    with pytest.raises(SchemaError):
+        _decode_slowly(raw)
+
+
 def test_a_literal_backslash_u0000_text_is_not_a_nul() -> None:
-    raw = _mutated("subject", "C:\\u0000path")  # the six characters \\u0000 after a backslash
-    assert decode(raw).subject == "C:\\u0000path"
+    raw = _mutated("source", "C:\\u0000path")  # the six characters \\u0000 after a backslash
+    assert decode(raw).source == "C:\\u0000path"
 
 
 @pytest.mark.parametrize(
