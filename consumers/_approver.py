@@ -447,7 +447,7 @@ class ApproverService:
             self._record(state, Verdict(Action.WAIT, why, verdict.policy), plan)
             return
         self._signed[key] = self._signed.get(key, 0) + 1
-        state.sent = SentApproval(approval.approval_id, version, approval.vm, self.clock())
+        state.send(SentApproval(approval.approval_id, version, approval.vm, self.clock()))
         plan.approvals.append(PendingApproval(approval, address))
         self._record(state, verdict, plan, target=approval.vm, approval_id=approval.approval_id)
         self.fleet.refresh(state)
@@ -525,7 +525,18 @@ class ApproverService:
         sent = state.sent
         if data.applied or data.decided_by != self.decided_by:
             return
-        if sent is None or sent.approval_id != data.approval_id:
+        current = sent is not None and sent.approval_id == data.approval_id
+        if not state.settle(data.approval_id, message.vm.name):
+            return  # not an approval of ours still out to that VM
+        if not current or sent is None:
+            log.info(
+                "approval %s of %s (an earlier version) rejected by %s: %s; no longer counted",
+                data.approval_id,
+                data.event_id,
+                message.vm.name,
+                data.reason,
+            )
+            self.fleet.refresh(state)
             return
         log.warning(
             "approval %s of %s (version %s) rejected by %s: %s %s",
@@ -546,7 +557,6 @@ class ApproverService:
             until = self.clock() + timedelta(seconds=pause)
             self._resting[key][vm] = (times + 1, until)
             self._wake[state.event_id] = min(until, self._wake.get(state.event_id, until))
-        state.sent = None
         self.fleet.refresh(state)
 
     async def _hold(self, event_id: str) -> str | None:
@@ -695,11 +705,14 @@ class ApproverService:
         state = self.fleet.event(approval.event_id)
         if self.state is not None:
             self._staged.sent.append(approval.approval_id)  # settled: it will never go out
-        if state is None or state.sent is None or state.sent.approval_id != approval.approval_id:
+        if state is None:
             return
-        key = (state.event_id, state.sent.event_version)
-        self._tried.setdefault(key, set()).add(approval.vm.casefold())
-        state.sent = None
+        sent = state.sent
+        if not state.settle(approval.approval_id, approval.vm):
+            return
+        if sent is not None and sent.approval_id == approval.approval_id:
+            key = (state.event_id, sent.event_version)
+            self._tried.setdefault(key, set()).add(approval.vm.casefold())
         plan = _Plan()
         self.fleet.refresh(state)
         await self._evaluate(state, plan)

@@ -166,7 +166,11 @@ class ApproverState:
                     exc,
                 )
                 continue
-            state.sent = SentApproval(approval.approval_id, version_sent, target, sent_at)
+            state.send(SentApproval(approval.approval_id, version_sent, target, sent_at))
+            # One its VM refused is void (the outcome is among the messages replayed above).
+            for outcome in state.outcomes.values():
+                if not outcome.data.applied:
+                    state.settle(outcome.data.approval_id, outcome.vm.name)
             fleet.refresh(state)
             if status == "sending":
                 loaded.unsent.append(PendingApproval(approval, address))

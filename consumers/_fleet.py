@@ -142,8 +142,12 @@ class EventState:
     #: ``approval.applied`` / ``approval.rejected`` outcomes by (VM casefolded, message id), in
     #: arrival order: ids are the senders' own, so one VM's must not replace another's.
     outcomes: dict[tuple[str, str], ApprovalOutcomeMessage] = field(default_factory=dict)
-    #: The approval the approver signed last (set by the approver service).
+    #: The approval the approver signed last (set by the approver service, :meth:`send`).
     sent: SentApproval | None = None
+    #: Approvals of earlier versions still out (approval id -> target): none refused yet, so
+    #: any of them may still be applied, if its VM's IMDS still shows the version it names
+    #: (reports of a new version may be false, or come before that VM's own poll sees it).
+    superseded: dict[str, str] = field(default_factory=dict)
     #: :func:`~schemas.event_version` of ``event`` (kept with it).
     version: str = ""
     #: Whether the view counts the event's VMs as unavailable (see :meth:`FleetView.refresh`).
@@ -201,9 +205,33 @@ class EventState:
 
     @property
     def unavailable(self) -> bool:
-        """Whether its VMs count as unavailable: it started, or an approval of its current
-        version was sent or applied, and it is not over."""
-        return not self.phase.is_over and (self.started or self.approved_or_sent)
+        """Whether its VMs count as unavailable: it started, or an approval was applied, or
+        one is out that no agent refused (of any version: a report of a new version does not
+        make the approval its VM holds void until that VM's agent says so), and it is not over."""
+        return not self.phase.is_over and (
+            self.started or self.approved or self.sent is not None or bool(self.superseded)
+        )
+
+    def send(self, sent: SentApproval) -> None:
+        """The approver signed ``sent``: the approval before it, unless settled, stays out."""
+        if self.sent is not None:
+            self.superseded[self.sent.approval_id] = self.sent.target
+        self.sent = sent
+
+    def settle(self, approval_id: str, vm: str) -> bool:
+        """VM ``vm`` refused (or could not be sent) approval ``approval_id``: it is void.
+        Whether it was one still out to that VM."""
+        sent = self.sent
+        if sent is not None and sent.approval_id == approval_id:
+            if sent.target.casefold() != vm.casefold():
+                return False
+            self.sent = None
+            return True
+        target = self.superseded.get(approval_id)
+        if target is None or target.casefold() != vm.casefold():
+            return False
+        del self.superseded[approval_id]
+        return True
 
     def set_event(self, event: ScheduledEvent) -> None:
         # The version first: should it fail, the state keeps the content it was computed for

@@ -134,16 +134,22 @@ def hook(
 
 
 def outcome(
-    identity: VmIdentity, ev: ScheduledEvent, *, applied: bool = True, at: datetime = T0
+    identity: VmIdentity,
+    ev: ScheduledEvent,
+    *,
+    applied: bool = True,
+    at: datetime = T0,
+    approval_id: str = "A-1",
+    reason: str = "bad-signature",
 ) -> ApprovalOutcomeMessage:
     return ApprovalOutcomeMessage.build(
         ApprovalOutcomeData(
             vm=identity,
             event_id=ev.event_id,
-            approval_id="A-1",
+            approval_id=approval_id,
             decided_by="approver",
             applied=applied,
-            reason=None if applied else "bad-signature",
+            reason=None if applied else reason,
             event=ev,
             reply_to=ReplyAddress(channel=APPROVALS, key=identity.name),
         ),

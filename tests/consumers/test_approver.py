@@ -8,6 +8,7 @@ import contextlib
 import json
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -792,3 +793,72 @@ async def test_a_not_before_with_no_utc_equivalent_never_gets_the_real_version_a
         await asyncio.wait_for(runner, 5)
     assert [a.event_version for a in approvals if a.event_version == event_version(real)] == []
     assert service.stream.stats.retried == 0  # handled once: no handler failed on it
+
+
+async def _first_approval(transport: MemoryTransport, name: str, within: float) -> Any:
+    with contextlib.suppress(TimeoutError):
+        async with transport.approvals(name) as sub, asyncio.timeout(within):
+            async for delivery in sub:
+                await delivery.ack()
+                return Approval.from_bytes(delivery.body)
+    return None
+
+
+@pytest.mark.parametrize("reporter", ["web-9", "web-1"], ids=["a-neighbour", "the-vm-itself"])
+async def test_a_report_of_a_new_version_does_not_free_a_vm_that_holds_an_approval(reporter):
+    """Scale set S, at most one VM down. EVT-A's approval (version V1) is on its way to web-1,
+    so EVT-B on web-2 waits. Then a report says EVT-A changed (V2: a lie of a neighbour, or
+    web-1's own report ahead of the approval). The approval of V1 counted only while V1 was the
+    view's version, so web-1 looked available and EVT-B was approved at once; but web-1's IMDS
+    still shows V1, and its agent applies the approval it holds: two VMs of S down under a cap
+    of one. An approval out counts until its VM refuses it, whatever the version."""
+    from consumers._policies import parse_policy
+
+    policy = parse_policy(
+        {
+            "approve": {"user_initiated": {}},
+            "max_unavailable": {"group_by": "scale_set", "count": 1},
+        }
+    )
+    now = datetime.now(UTC)
+    web1, web2 = vm("web-1", scale_set="S"), vm("web-2", scale_set="S")
+    later = now + timedelta(minutes=15)
+    a = event("EVT-A", source="User", resources=("web-1",), not_before=later)
+    b = event("EVT-B", source="User", resources=("web-2",), not_before=later)
+    a_moved = event("EVT-A", source="Platform", resources=("web-1",), not_before=later)
+    async with MemoryTransport(f"cap-{uuid.uuid4().hex}") as transport:
+        service = ApproverService(transport, generate_signing_key(), policy)
+        await transport.declare_group("approver")
+        runner = asyncio.create_task(service.run())
+        for message in (
+            heartbeat(web1, at=now),
+            heartbeat(web2, at=now),
+            transition("scheduled", a, web1, at=now),
+        ):
+            await transport.publish(lifecycle_message(message))
+        first = await _first_approval(transport, "web-1", 2)
+        assert first is not None
+        assert first.event_id == "EVT-A"
+        await transport.publish(lifecycle_message(transition("scheduled", b, web2, at=now)))
+        assert await _first_approval(transport, "web-2", 0.5) is None  # S is full
+        moved = transition(
+            "updated", a_moved, vm(reporter, scale_set="S"), at=now + timedelta(seconds=1)
+        )
+        await transport.publish(lifecycle_message(moved))
+        second = await _first_approval(transport, "web-2", 1.5)
+        assert second is None, "EVT-B approved while web-1 holds an approval of EVT-A"
+        # Only web-1's agent can void it: another VM's refusal under its id changes nothing;
+        # web-1's does (its IMDS shows V2: event-changed), and then EVT-B goes.
+        for who, freed in ((web2, False), (web1, True)):
+            refusal = outcome(
+                who,
+                a,
+                applied=False,
+                at=now + timedelta(seconds=2),
+                approval_id=first.approval_id,
+                reason="event-changed",
+            )
+            await transport.publish(lifecycle_message(refusal))
+            assert (await _first_approval(transport, "web-2", 1.5) is not None) is freed
+        service.stop()
+        await asyncio.wait_for(runner, 5)
