@@ -567,6 +567,15 @@ class NewerMessage(BaseModel):
     def _readable_version(cls, value: str) -> str:
         return check_version(value)
 
+    @field_validator("type")
+    @classmethod
+    def _not_a_decision(cls, value: str) -> str:
+        # The ledger's own records (an approver's decision, an operator's action) have kinds
+        # ``decision.<action>``: a message of such a type would read as one in a history.
+        if value.removeprefix(TYPE_PREFIX + ".").split(".")[0] == "decision":
+            raise ValueError(f"type {value!r} names a decision: no message is one")
+        return value
+
     @model_validator(mode="after")
     def _vm_name_is_a_key(self) -> Self:
         # The VM a consumer files it under (the data's vm.name, else the source) is a key of

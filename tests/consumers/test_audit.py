@@ -13,7 +13,7 @@ import pytest
 from consumers import Action
 from consumers._audit import Appended, open_ledger
 from consumers._cli import main
-from schemas import MAX_KEY_LENGTH, SchemaError, decode
+from schemas import MAX_KEY_LENGTH, SchemaError, decode, decode_newer
 
 from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
 
@@ -386,3 +386,19 @@ async def test_keys_at_the_contracts_longest_are_stored_and_one_longer_is_refuse
     too_long["id"] = "x" * (longest + 1)
     with pytest.raises(SchemaError, match="at most 200 characters"):
         decode(json.dumps(too_long).encode())
+
+
+async def test_a_vm_message_never_reads_as_a_decision_in_the_history(tmp_path):
+    """A message of a type this version does not know is kept whole by the audit, its kind the
+    type without the prefix; the ledger's decisions have kinds ``decision.<action>``. A VM's
+    message typed ``...decision.approve`` printed in ``audit history`` exactly as an approver's
+    decision no approver made. Such a type is refused: dead-lettered, not recorded."""
+    envelope = json.loads(heartbeat(vm("approver"), at=T0).to_bytes())
+    envelope.update(type="io.github.scheduledeventsrelay.decision.approve", id="forged-1")
+    envelope["data"].update(reason="user-initiated", policy="user_initiated", target="web-1")
+    with pytest.raises(SchemaError, match="names a decision"):
+        decode_newer(json.dumps(envelope).encode())
+    envelope["type"] = "io.github.scheduledeventsrelay.decisions-log.kept"  # not one: kept
+    message = decode_newer(json.dumps(envelope).encode())
+    async with open_ledger(f"sqlite:///{tmp_path / 'a.db'}") as ledger:
+        assert await ledger.append(message) is Appended.NEW
