@@ -56,6 +56,12 @@ __all__ = [
 
 #: What a VM may be grouped by (its identity's fields).
 GROUP_KEYS = ("scale_set", "zone", "fault_domain", "update_domain")
+
+#: Per VM and event: the hook results kept (by transition and hook, the newest) and the approval
+#: outcomes kept. An agent sends a handful; more is a VM inventing names or ids, and what it
+#: sends must not grow the view (nor each refresh's scan) without bound.
+MAX_HOOKS_PER_VM = 64
+MAX_OUTCOMES_PER_VM = 32
 #: One group: (what it is grouped by, the value), e.g. ("scale_set", "web").
 Group = tuple[str, object]
 
@@ -82,6 +88,18 @@ _PHASE_OF = {
     MessageType.CANCELED: EventPhase.CANCELED,
 }
 _ENDS = frozenset({MessageType.COMPLETED, MessageType.CANCELED})
+
+
+def _bound_outcomes(state: EventState, vm: str) -> None:
+    """Keep at most :data:`MAX_OUTCOMES_PER_VM` of ``vm``'s outcomes for the event, dropping its
+    oldest refusal first: one applied outcome is what counts (:attr:`EventState.approved`), and
+    a VM sending refusal after refusal under new ids must not pile them up, nor push out the
+    applied one that keeps its place counted."""
+    own = [key for key in state.outcomes if key[0] == vm]
+    if len(own) <= MAX_OUTCOMES_PER_VM:
+        return
+    refused = [key for key in own if not state.outcomes[key].data.applied]
+    del state.outcomes[(refused or own)[0]]
 
 
 def _listed(state: EventState) -> set[str]:
@@ -349,7 +367,11 @@ class FleetView:
         elif isinstance(message, HookResultMessage):
             state = self._state_for(message.data.event, at)
             key = f"{message.data.transition}/{message.data.hook}"
-            state.hooks.setdefault(message.vm.name.casefold(), {})[key] = message
+            results = state.hooks.setdefault(message.vm.name.casefold(), {})
+            results.pop(key, None)  # the newest last
+            results[key] = message
+            if len(results) > MAX_HOOKS_PER_VM:  # a VM inventing hook after hook
+                del results[next(iter(results))]
             state.last_update = max(state.last_update, at)
         elif isinstance(message, ApprovalOutcomeMessage):
             event = message.data.event
@@ -357,7 +379,10 @@ class FleetView:
             if state is None and event is not None:
                 state = self._state_for(event, at)
             if state is not None:
-                state.outcomes[(message.vm.name.casefold(), message.id)] = message
+                vm = message.vm.name.casefold()
+                state.outcomes[(vm, message.id)] = message
+                if len(state.outcomes) > MAX_OUTCOMES_PER_VM:
+                    _bound_outcomes(state, vm)
         if state is not None:
             self.refresh(state)
         return state

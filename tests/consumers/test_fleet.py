@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from consumers import EventPhase, FleetView
+from consumers._fleet import MAX_HOOKS_PER_VM, MAX_OUTCOMES_PER_VM
 from schemas import MessageType
 
 from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
@@ -204,3 +205,28 @@ def test_a_vm_sending_version_after_version_of_made_up_resources_does_not_pile_t
     assert len(state.listed) == 1 + 1 + 1000  # a, b, the last round's names
     assert view.is_down("a")
     assert not view.is_down("fake-0-1")
+
+
+def test_a_vm_inventing_hook_names_and_approval_ids_does_not_grow_its_event():
+    """Hook results are kept by hook name and approval outcomes by id, both the sender's
+    word: a VM sending 3,000 of each under new names and ids kept 3,000 of each in its
+    event's state while it kept the event open. Now a VM's are bounded per event (the newest
+    hooks; its refusals dropped oldest first), and its one applied outcome keeps counting."""
+    fleet = FleetView(clock=lambda: T0)
+    me = vm("web-1")
+    ev = event("EVT-H", resources=("web-1",))
+    fleet.apply(transition("scheduled", ev, me, at=T0))
+    fleet.apply(outcome(me, ev, at=T0, approval_id="the-real-one"))
+    for n in range(3000):
+        at = T0 + timedelta(milliseconds=n)
+        ran = hook(me, ev, at=at)
+        fleet.apply(
+            ran.model_copy(update={"data": ran.data.model_copy(update={"hook": f"hook-{n}"})})
+        )
+        fleet.apply(outcome(me, ev, applied=False, at=at, approval_id=f"A-{n}"))
+    state = fleet.event("EVT-H")
+    assert state is not None
+    assert len(state.hooks["web-1"]) == MAX_HOOKS_PER_VM
+    assert "scheduled/hook-2999" in state.hooks["web-1"]  # the newest kept
+    assert len(state.outcomes) == MAX_OUTCOMES_PER_VM
+    assert state.approved  # the applied outcome was not pushed out
