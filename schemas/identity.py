@@ -12,7 +12,7 @@ __all__ = ["MAX_KEY_LENGTH", "VmIdentity"]
 
 
 #: The longest name the contract takes where a name is a key: a VM's name, an EventId, a message
-#: or approval id, a hook's name. Azure's names and ids are far shorter (a GUID is 36); the
+#: or approval id. Azure's names and ids are far shorter (a GUID is 36); the
 #: bound keeps every key a database indexes within PostgreSQL's index entry (about 2.7 KB, and
 #: a character may take 4 bytes), so one hostile message cannot make a batch unstorable.
 MAX_KEY_LENGTH = 200

@@ -254,7 +254,7 @@ class HookResultData(_Data):
     vm: VmIdentity
     event: ScheduledEvent
     transition: str
-    hook: str = Field(max_length=MAX_KEY_LENGTH)
+    hook: str
     exit_code: int | None
     timed_out: bool
     duration_seconds: float
