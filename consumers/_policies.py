@@ -454,12 +454,36 @@ def parse_policy(data: Mapping[str, Any], source: str = "policy") -> PolicySet:
     return PolicySet(tuple(policies))
 
 
+#: The most of a policy file read: a policy is a few hundred bytes (and ``--policy /dev/zero``
+#: must not read for ever).
+MAX_POLICY_BYTES = 1024 * 1024
+
+
 def load_policy_file(path: Path) -> PolicySet:
+    """The policies of a TOML file. Whatever the file holds, :class:`ConfigError` naming it
+    (not readable, too large, not UTF-8, not TOML, not a policy): the approver refuses to start
+    with one line saying why."""
     try:
         with path.open("rb") as handle:
-            data = tomllib.load(handle)
+            raw = handle.read(MAX_POLICY_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read the policy file {path}: {exc.strerror}") from exc
+    if len(raw) > MAX_POLICY_BYTES:
+        raise ConfigError(
+            f"{path} is larger than {MAX_POLICY_BYTES // 1024} KiB: not a policy file"
+        )
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path} is not UTF-8 (byte {exc.start} is not): a policy file is UTF-8 TOML"
+        ) from exc
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"{path} is not valid TOML: nested too deeply") from exc
+    except ValueError as exc:  # an integer longer than Python converts (4,300 digits)
+        raise ConfigError(f"{path} is not valid TOML: {str(exc).split(':')[0]}") from exc
     return parse_policy(data, str(path))
