@@ -26,6 +26,9 @@ __all__ = ["add_console_commands"]
 log = logging.getLogger("consumers.console")
 
 EXTRA_HINT = "pip install 'scheduled-events-relay[console]'"
+#: How long a sign-in may last (``inf``, ``nan`` and 1e300 parse as floats: each sign-in failed).
+MIN_SESSION_HOURS = 0.1
+MAX_SESSION_HOURS = 720.0
 
 
 def add_console_commands(commands: Any) -> None:
@@ -90,7 +93,7 @@ def add_console_commands(commands: Any) -> None:
         type=float,
         default=12.0,
         metavar="HOURS",
-        help="how long a sign-in lasts (default 12)",
+        help="how long a sign-in lasts, from 0.1 to 720 (default 12)",
     )
     console.add_argument("--tls-cert", metavar="FILE", help="serve https with this certificate")
     console.add_argument("--tls-key", metavar="FILE", help="... and this key")
@@ -203,8 +206,11 @@ async def _console(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("give both --tls-cert and --tls-key, or neither")
     tls = (Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
-    if args.session_hours <= 0:
-        raise ConfigError("--session-hours must be positive")
+    if not MIN_SESSION_HOURS <= args.session_hours <= MAX_SESSION_HOURS:  # nan: False too
+        raise ConfigError(
+            f"--session-hours {args.session_hours:g}: a number of hours from "
+            f"{MIN_SESSION_HOURS:g} (6 minutes) to {MAX_SESSION_HOURS:g} (30 days)"
+        )
     key = load_signing_key(Path(args.signing_key)) if args.signing_key else None
     url = _broker(args)
     db_url = _db(args)

@@ -171,3 +171,30 @@ async def test_the_demo_serves_the_console_and_prints_its_address(tmp_path):
             await process.wait()
     assert process.returncode == 0, err
     assert "demo passed: every event ended as expected" in out
+
+
+@pytest.mark.parametrize("hours", ["inf", "nan", "1e300", "0", "-1"])
+async def test_a_session_length_that_is_no_number_of_hours_is_refused_at_start(tmp_path, hours):
+    """``inf`` and ``nan`` parse as floats: the console started, printed its address, and then
+    every sign-in was a 500. A bad flag is one line and exit 2, like the others."""
+    process = await _spawn(
+        "-m",
+        "consumers",
+        "console",
+        "--broker",
+        "memory://cli",
+        "--db",
+        str(tmp_path / "central.db"),
+        "--token",
+        "a-long-shared-token",
+        "--listen",
+        "127.0.0.1:0",
+        "--session-hours",
+        hours,
+    )
+    out, err = await _finish(process, within=15)
+    assert process.returncode == 2, (out, err)
+    assert out == ""
+    assert err.count("\n") == 1, err
+    assert "--session-hours " in err
+    assert "a number of hours from 0.1 (6 minutes) to 720 (30 days)" in err
