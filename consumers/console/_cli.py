@@ -19,7 +19,7 @@ from schemas import ConfigError, load_signing_key
 from schemas.transport import redact
 
 from .._origin import Origin
-from ._users import DEFAULT_ITERATIONS, Role, UsersFile, write_user
+from ._users import DEFAULT_ITERATIONS, MAX_ITERATIONS, Role, UsersFile, write_user
 
 __all__ = ["add_console_commands"]
 
@@ -155,7 +155,7 @@ def add_console_commands(commands: Any) -> None:
         "--iterations",
         type=int,
         default=DEFAULT_ITERATIONS,
-        help=f"PBKDF2 iterations (default {DEFAULT_ITERATIONS:,})",
+        help=f"PBKDF2 iterations, at most {MAX_ITERATIONS:,} (default {DEFAULT_ITERATIONS:,})",
     )
     user.set_defaults(run=_console_user)
 
@@ -287,6 +287,11 @@ def _read_password() -> str:
 
 async def _console_user(args: argparse.Namespace) -> int:
     role = Role(args.role)
+    if not 1 <= args.iterations <= MAX_ITERATIONS:
+        raise ConfigError(
+            f"console-user: --iterations {args.iterations}: from 1 to {MAX_ITERATIONS:,} "
+            f"(default {DEFAULT_ITERATIONS:,})"
+        )
     if args.iterations < 100_000:
         log.warning(
             "console-user: %d PBKDF2 iterations is weak (default %d)",
@@ -296,7 +301,7 @@ async def _console_user(args: argparse.Namespace) -> int:
     password = None if args.no_password else _read_password()
     try:
         replaced = write_user(
-            Path(args.file), args.name, role, password, iterations=max(1, args.iterations)
+            Path(args.file), args.name, role, password, iterations=args.iterations
         )
     except OSError as exc:
         raise ConfigError(f"console-user: cannot write {args.file}: {exc.strerror or exc}") from exc

@@ -34,6 +34,7 @@ from schemas import ConfigError
 
 __all__ = [
     "DEFAULT_ITERATIONS",
+    "MAX_ITERATIONS",
     "Role",
     "User",
     "UsersFile",
@@ -45,6 +46,10 @@ __all__ = [
 
 #: OWASP's 2023 figure for PBKDF2-HMAC-SHA256 (about 0.3 s on one core here).
 DEFAULT_ITERATIONS = 600_000
+#: The most a stored hash may ask for (about 5 s here): every sign-in of an unknown name costs
+#: as many rounds as the costliest user, so one absurd count (a typo, a hostile file) would
+#: pin a thread per anonymous attempt for as long as it says.
+MAX_ITERATIONS = 10_000_000
 _ALGORITHM = "pbkdf2_sha256"
 NO_PASSWORD = "-"
 
@@ -70,14 +75,16 @@ class User:
 
 def hash_password(password: str, *, iterations: int = DEFAULT_ITERATIONS) -> str:
     """``pbkdf2_sha256$ITERATIONS$SALT$HASH`` for ``password``, with a new random salt."""
-    if iterations < 1:
-        raise ValueError("iterations must be positive")
+    if not 1 <= iterations <= MAX_ITERATIONS:
+        raise ValueError(f"iterations: from 1 to {MAX_ITERATIONS:,}")
     salt = secrets.token_urlsafe(16)
     key = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations)
     return f"{_ALGORITHM}${iterations}${salt}${base64.b64encode(key).decode()}"
 
 
-def _parse_hash(stored: str) -> tuple[int, str, bytes] | None:
+def _parse_hash(stored: str, *, most: int | None = MAX_ITERATIONS) -> tuple[int, str, bytes] | None:
+    """(iterations, salt, key), or None when ``stored`` is no hash of ours or asks for more
+    than ``most`` iterations."""
     parts = stored.split("$")
     if len(parts) != 4 or parts[0] != _ALGORITHM:
         return None
@@ -87,6 +94,8 @@ def _parse_hash(stored: str) -> tuple[int, str, bytes] | None:
     except ValueError:
         return None
     if iterations < 1 or not parts[2] or len(key) < 16:
+        return None
+    if most is not None and iterations > most:
         return None
     return iterations, parts[2], key
 
@@ -142,11 +151,19 @@ def _parse_line(path: Path, number: int, line: str) -> User:
         raise ConfigError(
             f"{path}:{number}: role {role_text!r} is not operator or viewer"
         ) from None
-    if password_hash != NO_PASSWORD and _parse_hash(password_hash) is None:
-        raise ConfigError(
-            f"{path}:{number}: the hash of {name!r} is not pbkdf2_sha256$ITERATIONS$SALT$HASH "
-            "(write it with `scheduled-events console-user`)"
-        )
+    if password_hash != NO_PASSWORD:
+        parsed = _parse_hash(password_hash, most=None)
+        if parsed is None:
+            raise ConfigError(
+                f"{path}:{number}: the hash of {name!r} is not "
+                "pbkdf2_sha256$ITERATIONS$SALT$HASH (write it with `scheduled-events console-user`)"
+            )
+        if parsed[0] > MAX_ITERATIONS:
+            raise ConfigError(
+                f"{path}:{number}: the hash of {name!r} asks for {parsed[0]:,} PBKDF2 "
+                f"iterations: at most {MAX_ITERATIONS:,} (write it again with `scheduled-events "
+                "console-user`)"
+            )
     try:
         return User(_check_name(name), role, password_hash)
     except ConfigError as exc:

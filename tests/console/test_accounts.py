@@ -134,3 +134,19 @@ def test_the_throttle_brakes_after_repeated_failures():
     throttle.failed("ip:1")
     throttle.succeeded("ip:1")
     assert throttle.retry_after("ip:1") == 0
+
+
+def test_an_absurd_iteration_count_is_refused_with_its_line(tmp_path, capsys):
+    """Every sign-in of an unknown name costs as many PBKDF2 rounds as the costliest user: one
+    line of 2,000,000,000 rounds (a typo, or a hostile file) would pin a thread for half an
+    hour per anonymous attempt. The file is refused at start, naming the line; console-user
+    does not write one."""
+    key = base64.b64encode(b"\0" * 32).decode()
+    path = tmp_path / "users"
+    path.write_text(f"# users\nbob:viewer:pbkdf2_sha256$2000000000$somesalt${key}\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: .*2,000,000,000 PBKDF2 iterations"):
+        UsersFile(path)
+    assert not verify_password("x", f"pbkdf2_sha256$2000000000$somesalt${key}")
+    argv = ["console-user", str(tmp_path / "other"), "carol", "--iterations", "20000000"]
+    assert main([*argv, "--no-password"]) == 2
+    assert "--iterations 20000000: from 1 to 10,000,000" in capsys.readouterr().err
