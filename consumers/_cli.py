@@ -226,13 +226,14 @@ async def _approver(args: argparse.Namespace) -> int:
     policies = load_policy_file(Path(args.policy)) if args.policy else PolicySet.default()
     url = _broker(args)
     db_url = _db(args)
+    # Every file read before anything is set up: a bad one stops here, with nothing to undo.
+    origin, verifier = _origin_and_verifier(args, url)
     db = open_database(db_url) if db_url else None
     async with _open_transport(args, "approver") as transport:
         if db is not None:
             await db.connect()
             await ensure_schema(db)
         try:
-            origin, verifier = _origin_and_verifier(args, url)
             service = ApproverService(
                 transport,
                 key,
@@ -262,8 +263,8 @@ async def _audit(args: argparse.Namespace) -> int:
     tune_collector()
     db_url = _db(args) or "audit.db"
     url = _broker(args)
+    origin, verifier = _origin_and_verifier(args, url)  # its files before anything is set up
     async with _open_transport(args, "audit") as transport, open_ledger(db_url) as ledger:
-        origin, verifier = _origin_and_verifier(args, url)
         service = AuditService(
             transport, ledger, group=args.group or "audit", origin=origin, verifier=verifier
         )

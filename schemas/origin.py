@@ -31,6 +31,7 @@ import base64
 import binascii
 import csv
 import hashlib
+import io
 import json
 import logging
 from collections import OrderedDict
@@ -204,6 +205,14 @@ def _chains(cert: Any, carried: list[Any], trusted: list[Any], now: datetime) ->
     raise OriginRejected("the attestation is not signed by a trusted certificate")
 
 
+#: The most of an inventory file read (a fleet of 100,000 VMs is about 6 MiB).
+_MAX_INVENTORY_BYTES = 64 << 20
+
+
+def _name_like(text: str) -> bool:
+    return bool(text) and text.isprintable()
+
+
 class OriginVerifier:
     """Checks signed origins (see the module docstring). ``inventory``: ``name,vmId`` pairs
     that decide which vmId a VM name has (else the first one seen, for this process)."""
@@ -225,16 +234,53 @@ class OriginVerifier:
 
     @classmethod
     def from_files(cls, ca: Iterable[Path], inventory: Path | None = None) -> OriginVerifier:
-        pairs: dict[str, str] = {}
-        if inventory is not None:
-            try:
-                with inventory.open(newline="") as handle:
-                    for row in csv.reader(handle):
-                        if len(row) >= 2 and not row[0].startswith("#"):
-                            pairs[row[0].strip()] = row[1].strip()
-            except OSError as exc:
-                raise ConfigError(f"cannot read the VM inventory {inventory}: {exc}") from exc
+        pairs = {} if inventory is None else cls.read_inventory(inventory)
         return cls(load_trusted_certificates(ca), inventory=pairs)
+
+    @staticmethod
+    def read_inventory(path: Path) -> dict[str, str]:
+        """The ``name,vmId`` lines of an inventory file (UTF-8 CSV; ``#`` comments and blank
+        lines aside; further columns ignored), case-folded. It decides which vmId a VM name
+        has, so a line that says anything else is a :class:`ConfigError` naming the line,
+        not a line left out (the VM it meant to pin would take the first vmId seen): so are
+        a name given twice with two vmIds, and a file that is not UTF-8 CSV."""
+        where = f"the VM inventory {path}"
+        try:
+            with path.open("rb") as handle:
+                raw = handle.read(_MAX_INVENTORY_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from exc
+        if len(raw) > _MAX_INVENTORY_BYTES:
+            raise ConfigError(f"{where} is larger than {_MAX_INVENTORY_BYTES >> 20} MiB")
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{where} is not UTF-8 (byte {exc.start} is not)") from exc
+        pairs: dict[str, str] = {}
+        named: dict[str, int] = {}
+        reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+        try:
+            for row in reader:
+                line = reader.line_num
+                fields = [field.strip() for field in row]
+                if not any(fields) or fields[0].startswith("#"):
+                    continue
+                if len(fields) < 2 or not all(_name_like(f) for f in fields[:2]):
+                    raise ConfigError(
+                        f"{where}, line {line}: give name,vmId (printable, neither empty), "
+                        f"not {','.join(row)[:120]!r}"
+                    )
+                name, vm_id = fields[0].casefold(), fields[1].casefold()
+                if pairs.get(name, vm_id) != vm_id:
+                    raise ConfigError(
+                        f"{where}, line {line}: {fields[0]} is named on line {named[name]} "
+                        f"already, with vmId {pairs[name]}"
+                    )
+                pairs[name] = vm_id
+                named.setdefault(name, line)
+        except csv.Error as exc:
+            raise ConfigError(f"{where}, line {reader.line_num}: not CSV: {exc}") from exc
+        return pairs
 
     def attested(self, attestation: str, now: datetime) -> Attested:
         """The verified content of an attestation (cached by its text)."""
