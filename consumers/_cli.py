@@ -17,6 +17,7 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -87,15 +88,24 @@ def _channels(args: argparse.Namespace) -> ChannelNames:
     return DEFAULT_CHANNELS.suffixed(suffix) if suffix else DEFAULT_CHANNELS
 
 
+#: The most of a secret file read: its first line is a URL or a connection string.
+_MAX_SECRET_BYTES = 64 * 1024
+
+
 def _secret(value: str | None, path: str | None, what: str) -> str | None:
     if value and path:
         raise ConfigError(f"give --{what} or --{what}-file, not both")
     if not path:
         return value
     try:
-        text = Path(path).read_text().strip().splitlines()
+        with Path(path).open("rb") as handle:
+            raw = handle.read(_MAX_SECRET_BYTES)  # the first line is all that is used
     except OSError as exc:
         raise ConfigError(f"--{what}-file: cannot read {path}: {exc.strerror}") from exc
+    try:
+        text = raw.decode().strip().splitlines()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--{what}-file: {path} is not UTF-8 (byte {exc.start} is not)") from exc
     if not text or not text[0].strip():
         raise ConfigError(f"--{what}-file: {path} is empty")
     return text[0].strip()
@@ -499,13 +509,35 @@ async def _demo(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------ parser
 
 
-def _positive_seconds(text: str) -> float:
+# Flag values are checked as they are parsed (argparse's one line and exit status 2), before
+# anything is set up: a value the service would fail on later, or read as "never" (nan, inf),
+# is refused here.
+
+
+def _positive_number(text: str, what: str = "a number") -> float:
+    """A finite number above 0 (float() also takes "nan", "inf" and "1e400")."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: give {what} above 0 (finite)")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    return _positive_number(text, "a number of seconds")
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535; bind() would refuse the rest only once the
+    service is set up."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
     return value
 
 
@@ -563,7 +595,7 @@ def _service_options(parser: argparse.ArgumentParser, default_group: str) -> Non
     )
     parser.add_argument(
         "--health-port",
-        type=int,
+        type=_port,
         metavar="PORT",
         help="serve /healthz (503 with the reason once the broker has been unreachable for "
         "longer than --health-grace) and /metrics on PORT",
@@ -693,7 +725,10 @@ def build_parser() -> argparse.ArgumentParser:
     approve.add_argument("--reason", default="manual approval", help="recorded with it")
     approve.add_argument("--decided-by", default=os.environ.get("USER") or "operator")
     approve.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds to wait for the outcome (default 60)"
+        "--timeout",
+        type=_positive_seconds,
+        default=60.0,
+        help="seconds to wait for the outcome (default 60)",
     )
     approve.add_argument("--no-wait", action="store_true", help="send, do not wait for it")
     approve.add_argument(
@@ -737,7 +772,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="default memory://demo (in-process); amqp://... runs the same over RabbitMQ",
     )
-    demo.add_argument("--speed", type=float, default=60.0, help="time compression (default 60x)")
+    demo.add_argument(
+        "--speed", type=_positive_number, default=60.0, help="time compression (default 60x)"
+    )
     demo.add_argument("--quiet", action="store_true", help="only the summary")
     demo.add_argument(
         "--console",
