@@ -68,7 +68,8 @@ class Authenticator:
         if not is_plain_text(name):  # the name is logged, and recorded in the audit
             return None
         if self.users is not None:
-            user = await asyncio.to_thread(self.users.check, name, secret)
+            found = self.users.get(name)  # here, not in the thread: it may read the file again
+            user = await asyncio.to_thread(self.users.verify, found, secret)
             if user is not None:
                 return self.codec.issue(user.name, user.role, "password")
         if self.token is not None and hmac.compare_digest(secret.encode(), self.token.encode()):

@@ -22,6 +22,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import tempfile
@@ -43,6 +44,8 @@ __all__ = [
     "verify_password",
     "write_user",
 ]
+
+log = logging.getLogger("consumers.console")
 
 #: OWASP's 2023 figure for PBKDF2-HMAC-SHA256 (about 0.3 s on one core here).
 DEFAULT_ITERATIONS = 600_000
@@ -187,30 +190,68 @@ def _read(path: Path) -> dict[str, User]:
 
 class UsersFile:
     """The users file, read again whenever it changes on disk (a role taken away applies to
-    sessions already open, at their next request)."""
+    sessions already open, at their next request).
+
+    A file that was good at start and then cannot be read (a mistyped line, deleted) fails
+    closed: no user until it is fixed, so nobody signs in by password and no password session
+    holds (a user just removed stays out), and the error is logged once per bad version."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._users: dict[str, User] = {}
         self._typical_iterations = DEFAULT_ITERATIONS
+        self._failure: str | None = None
+        #: Why the file on disk cannot be used now (None: it can).
+        self.problem: str | None = None
         self.reload()
 
     def reload(self) -> None:
+        """Read the file again when it changed; :class:`ConfigError` when it cannot be read."""
         try:
             stat = self.path.stat()
         except OSError as exc:
             raise ConfigError(f"cannot read the users file {self.path}: {exc.strerror}") from exc
-        stamp = (stat.st_mtime_ns, stat.st_size)
-        if stamp != self._stamp:
+        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp:
+            if self._failure is not None:  # a bad version is read once, not at every request
+                raise ConfigError(self._failure)
+            return
+        self._stamp = stamp
+        self._users = {}
+        try:
             self._users = _read(self.path)
-            self._stamp = stamp
-            counts = [p[0] for u in self._users.values() if (p := _parse_hash(u.password_hash))]
-            self._typical_iterations = max(counts, default=DEFAULT_ITERATIONS)
+        except ConfigError as exc:
+            self._failure = str(exc)
+            raise
+        self._failure = None
+        counts = [p[0] for u in self._users.values() if (p := _parse_hash(u.password_hash))]
+        self._typical_iterations = max(counts, default=DEFAULT_ITERATIONS)
+
+    def _refresh(self) -> None:
+        try:
+            self.reload()
+        except ConfigError as exc:
+            self._users = {}
+            if str(exc) != self.problem:
+                self.problem = str(exc)
+                log.error(
+                    "console: %s: password sign-ins are refused and password sessions do not "
+                    "hold until the users file is fixed (its roles do not apply meanwhile: "
+                    "proxy users are viewers)",
+                    exc,
+                )
+            return
+        if self.problem is not None:
+            self.problem = None
+            log.warning(
+                "console: the users file %s is usable again (%d users): password sign-ins resume",
+                self.path,
+                len(self._users),
+            )
 
     def get(self, name: str) -> User | None:
-        with contextlib.suppress(ConfigError):  # a half-written file: keep what was read
-            self.reload()
+        self._refresh()
         return self._users.get(name.casefold())
 
     def __len__(self) -> int:
@@ -218,7 +259,10 @@ class UsersFile:
 
     def check(self, name: str, password: str) -> User | None:
         """The user when ``password`` is theirs (a ``-`` user never matches)."""
-        user = self.get(name)
+        return self.verify(self.get(name), password)
+
+    def verify(self, user: User | None, password: str) -> User | None:
+        """``user`` when ``password`` is theirs; None (after the same work) when no user."""
         stored = user.password_hash if user is not None else NO_PASSWORD
         matched = verify_password(password, stored, dummy_iterations=self._typical_iterations)
         return user if matched else None

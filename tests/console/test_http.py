@@ -725,3 +725,42 @@ async def test_a_hostile_action_body_is_a_400_and_changes_nothing(tmp_path):
             "/api/events/EVT-HOSTILE/hold", json={"reason": "naïve café ☕"}, headers=headers
         )
         assert held.status_code == 200, held.text
+
+
+async def test_a_users_file_that_cannot_be_read_signs_nobody_in(tmp_path, caplog):
+    """Removing a user signs them out at once, even when the new file has a mistyped line
+    elsewhere: a file that cannot be read is no reason to keep the old list (that kept the
+    removed user in). Until it is fixed nobody signs in by password, and the log says why."""
+    async with (
+        console(tmp_path) as c,
+        c.client() as alice,
+        c.client() as victor,
+        c.client() as other,
+    ):
+        await signed_in(alice, "alice")
+        await signed_in(victor, "victor")
+        users = tmp_path / "users"
+        good = users.read_text()
+        kept = [line for line in good.splitlines() if not line.startswith("alice:")]
+        users.write_text("\n".join([*kept, "carol:operatr:-"]) + "\n")  # a typo on a new line
+        assert (await alice.get("/api/me")).status_code == 401
+        assert (await victor.get("/api/me")).status_code == 401
+        assert (await sign_in(other, "victor")).status_code == 401
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1, errors  # once, not at every request
+        assert f"{users}:3: role 'operatr' is not operator or viewer" in errors[0]
+        assert "password sign-ins are refused" in errors[0]
+        assert "usable again" not in caplog.text
+        users.write_text(good)  # fixed: the sessions of users still in it hold again
+        assert (await victor.get("/api/me")).status_code == 200
+        assert (await alice.get("/api/me")).status_code == 200
+        assert "usable again (2 users): password sign-ins resume" in caplog.text
+
+
+async def test_a_deleted_users_file_signs_everybody_out(tmp_path, caplog):
+    async with console(tmp_path) as c, c.client() as alice, c.client() as other:
+        await signed_in(alice, "alice")
+        (tmp_path / "users").unlink()
+        assert (await alice.get("/api/me")).status_code == 401
+        assert (await sign_in(other, "alice")).status_code == 401
+    assert "cannot read the users file" in caplog.text
