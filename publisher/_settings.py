@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -56,7 +57,22 @@ class HookSpec:
             raise ConfigError(f"hook {text!r}: transitions are among {known}") from exc
         if not on:
             raise ConfigError(f"hook {text!r}: name at least one transition")
-        return cls(on=on, command=command.strip())
+        command = command.strip()
+        # The hook runner splits the command as a shell would (shlex) and runs it without a
+        # shell: a command it cannot split, or one that leaves nothing to run, is refused here,
+        # where the operator sees it, not at the first event that runs it.
+        if "\0" in command:
+            raise ConfigError(f"hook {text!r}: the command holds a NUL character")
+        try:
+            argv = shlex.split(command)
+        except ValueError as exc:
+            raise ConfigError(
+                f"hook {text!r}: the command cannot be split into words ({exc}): close every "
+                "quote, or escape it with a backslash"
+            ) from exc
+        if not argv or not argv[0]:
+            raise ConfigError(f"hook {text!r}: the command names no program to run")
+        return cls(on=on, command=command)
 
     def __str__(self) -> str:
         return f"{','.join(sorted(self.on))}={self.command}"
