@@ -71,14 +71,17 @@ class Authenticator:
             found = self.users.get(name)  # here, not in the thread: it may read the file again
             user = await asyncio.to_thread(self.users.verify, found, secret)
             if user is not None:
-                return self.codec.issue(user.name, user.role, "password")
+                return self.codec.issue(
+                    user.name, user.role, "password", bound_to=user.password_hash
+                )
         if self.token is not None and hmac.compare_digest(secret.encode(), self.token.encode()):
             return self.codec.issue(name, Role.OPERATOR, "token")
         return None
 
     def current(self, cookie: str | None, proxy_user: str | None) -> Current:
         """The request's session, checked against what is configured now (a user removed from
-        the users file is signed out; a role changed there applies at once)."""
+        the users file, or given a new password there, is signed out; a role changed there
+        applies at once)."""
         session = self.codec.read(cookie)
         if self.by_proxy:
             who = (proxy_user or "").strip()
@@ -93,8 +96,8 @@ class Authenticator:
             return Current(None)
         if session.via == "password":
             user = None if self.users is None else self.users.get(session.user)
-            if user is None:
-                return Current(None)
+            if user is None or not self.codec.bound(session, user.password_hash):
+                return Current(None)  # removed, or a new password since this sign-in
             return Current(_with_role(session, user.role))
         if session.via == "token" and self.token is not None:
             return Current(session)
@@ -118,4 +121,5 @@ def _with_role(session: Session, role: Role) -> Session:
         csrf=session.csrf,
         nonce=session.nonce,
         expires=session.expires,
+        binding=session.binding,
     )

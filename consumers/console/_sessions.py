@@ -72,6 +72,9 @@ class Session:
     csrf: str
     nonce: str
     expires: float
+    #: A password session: a fingerprint of the user's stored hash when they signed in (a new
+    #: password ends the sessions of the old one). Empty for the others.
+    binding: str = ""
 
     @property
     def operator_name(self) -> str:
@@ -91,7 +94,16 @@ class SessionCodec:
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest()[:24])
 
-    def issue(self, user: str, role: Role, via: str) -> tuple[Session, str]:
+    def _fingerprint(self, secret: str) -> str:
+        """Keyed, so the cookie tells its holder nothing about the stored hash."""
+        digest = hmac.new(self._key, b"binding\0" + secret.encode(), hashlib.sha256).digest()
+        return _b64(digest[:12])
+
+    def issue(
+        self, user: str, role: Role, via: str, *, bound_to: str | None = None
+    ) -> tuple[Session, str]:
+        """A new session and its cookie; ``bound_to`` (the user's stored password hash): the
+        session holds only while :meth:`bound` says that is still the hash."""
         session = Session(
             user=user,
             role=role,
@@ -99,6 +111,7 @@ class SessionCodec:
             csrf=secrets.token_urlsafe(24),
             nonce=secrets.token_urlsafe(12),
             expires=float(int(time.time() + self.lifetime)),
+            binding="" if bound_to is None else self._fingerprint(bound_to),
         )
         body = {
             "u": session.user,
@@ -107,6 +120,7 @@ class SessionCodec:
             "c": session.csrf,
             "n": session.nonce,
             "e": int(session.expires),
+            "b": session.binding,
         }
         payload = _b64(json.dumps(body, separators=(",", ":")).encode())
         return session, f"v1.{payload}.{self._mac(payload)}"
@@ -132,12 +146,19 @@ class SessionCodec:
                 csrf=str(body["c"]),
                 nonce=str(body["n"]),
                 expires=float(body["e"]),
+                binding=str(body.get("b", "")),
             )
         except (ValueError, KeyError, TypeError, binascii.Error):
             return None
         if session.expires < time.time() or session.nonce in self._revoked:
             return None
         return session
+
+    def bound(self, session: Session, secret: str) -> bool:
+        """Whether ``session`` was issued bound to ``secret`` (see :meth:`issue`)."""
+        return bool(session.binding) and hmac.compare_digest(
+            session.binding.encode(), self._fingerprint(secret).encode()
+        )
 
     def revoke(self, session: Session) -> None:
         now = time.time()

@@ -384,7 +384,8 @@ async def test_a_viewer_reads_but_cannot_act(tmp_path):
 async def test_a_role_taken_away_in_the_users_file_applies_at_once(tmp_path):
     async with console(tmp_path) as c, c.client() as client:
         csrf = await signed_in(client, "alice")
-        write_user(tmp_path / "users", "alice", Role.VIEWER, "alice-password", iterations=1000)
+        users = tmp_path / "users"
+        users.write_text(users.read_text().replace("alice:operator:", "alice:viewer:"))
         assert (await client.get("/api/me")).json()["role"] == "viewer"
         response = await client.post("/api/events/X/hold", json={}, headers={"X-CSRF-Token": csrf})
         assert response.status_code == 403
@@ -393,6 +394,20 @@ async def test_a_role_taken_away_in_the_users_file_applies_at_once(tmp_path):
             "\n".join(line for line in lines if not line.startswith("alice:")) + "\n"
         )
         assert (await client.get("/api/me")).status_code == 401
+
+
+async def test_a_new_password_ends_the_sessions_of_the_old_one(tmp_path):
+    """console-user FILE NAME sets a new password (a stolen one, say): the sessions signed in
+    with the old one end at their next request, not when they expire 12 hours later."""
+    async with console(tmp_path) as c, c.client() as thief, c.client() as victor:
+        await signed_in(thief, "alice")
+        await signed_in(victor, "victor")
+        write_user(tmp_path / "users", "alice", Role.OPERATOR, "a-new-password", iterations=1000)
+        assert (await thief.get("/api/me")).status_code == 401
+        assert (await victor.get("/api/me")).status_code == 200  # nobody else's
+        assert (await sign_in(thief, "alice", "alice-password")).status_code == 401
+        assert (await sign_in(thief, "alice", "a-new-password")).status_code == 303
+        assert (await thief.get("/api/me")).json()["user"] == "alice"
 
 
 async def test_a_shared_token_records_the_name_given_with_it(tmp_path):
