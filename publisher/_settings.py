@@ -36,6 +36,10 @@ __all__ = ["ENV_PREFIX", "AgentSettings", "HookSpec", "parse_settings"]
 
 ENV_PREFIX = "SCHEDULED_EVENTS_"
 DEFAULT_STATE_DIR = Path("/var/lib/scheduled-events-agent")
+#: The largest ``approval_max_lifetime``: a day. An approval answers an event IMDS announces
+#: minutes ahead (15 for most kinds), so a longer life only widens the window for a replay; and
+#: past about 2.5e11 s, ``issued_at`` plus the lifetime is no date at all.
+MAX_APPROVAL_LIFETIME = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +183,12 @@ class AgentSettings:
             "health_grace",
         ):
             _check_positive(name, getattr(self, name))
+        if self.approval_max_lifetime > MAX_APPROVAL_LIFETIME:
+            raise ConfigError(
+                f"approval_max_lifetime must be at most {MAX_APPROVAL_LIFETIME:.0f} s (a day), got "
+                f"{self.approval_max_lifetime!r}: an approval answers an event announced minutes "
+                "ahead"
+            )
         for name in ("fast_poll_seconds", "not_before_lead_seconds"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -402,7 +412,7 @@ def _parser() -> argparse.ArgumentParser:
         "--approval-max-lifetime",
         metavar="SECONDS",
         help="refuse an approval this long after it was issued, whatever its expiry says "
-        "(default 3600)",
+        "(at most 86400; default 3600)",
     )
     p.add_argument(
         "--dry-run",

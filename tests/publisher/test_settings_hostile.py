@@ -73,3 +73,24 @@ def test_a_hook_with_an_unbalanced_quote_is_refused_from_a_flag_the_environment_
 
 def test_the_agent_refuses_a_hook_with_an_unbalanced_quote_in_one_line() -> None:
     _refused_in_one_line(_cli("--hook", 'scheduled=/bin/echo "x'), "hook")
+
+
+# ------------------------------------------------------------------- approval max lifetime
+
+
+@pytest.mark.parametrize("seconds", ["86401", "1e12", "1e14", "1e300"])
+def test_an_approval_max_lifetime_beyond_a_day_is_refused(seconds: str) -> None:
+    """Before, any finite positive number was taken: from about 2.5e11 s, issued_at plus the
+    lifetime lies past year 9999, and the agent's approvals task died (OverflowError) at its
+    first approval. An approval answers an event whose notice is minutes: a day is plenty."""
+    with pytest.raises(ConfigError, match="approval_max_lifetime"):
+        parse_settings(["--broker", "memory://t", "--approval-max-lifetime", seconds], {})
+
+
+def test_an_approval_max_lifetime_of_up_to_a_day_is_taken() -> None:
+    settings = parse_settings(["--broker", "memory://t", "--approval-max-lifetime", "86400"], {})
+    assert settings.approval_max_lifetime == 86400.0
+
+
+def test_the_agent_refuses_a_huge_approval_max_lifetime_in_one_line() -> None:
+    _refused_in_one_line(_cli("--approval-max-lifetime", "1e12"), "approval_max_lifetime")
