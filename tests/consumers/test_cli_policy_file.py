@@ -15,6 +15,7 @@ NOT_UTF8 = b"\xff\xfe[never]\n"
 def _refused(capsys, argv: list[str]) -> str:
     """What the command said when it refused ``argv`` with exit status 2 (argparse's own
     errors exit; the commands' return 2)."""
+    status: int | str | None
     try:
         status = main(argv)
     except SystemExit as exc:
