@@ -121,5 +121,6 @@ def _with_role(session: Session, role: Role) -> Session:
         csrf=session.csrf,
         nonce=session.nonce,
         expires=session.expires,
+        issued=session.issued,
         binding=session.binding,
     )

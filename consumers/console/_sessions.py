@@ -1,10 +1,12 @@
 """Console sessions: a signed cookie, its CSRF token, and the brake on guessing passwords.
 
 A session is the cookie ``v1.<payload>.<mac>``: the payload (who, role, how they signed in, the
-CSRF token, a nonce, the expiry) in base64url JSON, the MAC HMAC-SHA256 over it with the
-console's session key (random at every start unless ``--session-key-file`` gives one, so a
-restart signs everybody out). Nothing is stored server-side but the nonces of sessions signed
-out before their expiry. The cookie is HttpOnly and SameSite=Strict, Secure over https.
+CSRF token, a nonce, when it was issued, the expiry, for a password a fingerprint of the stored
+hash) in base64url JSON, the MAC HMAC-SHA256 over it with the console's session key (random at
+every start unless ``--session-key-file`` gives one, so a restart signs everybody out).
+Nothing is stored server-side but the nonces of sessions signed out before their expiry, in
+bounded memory (:class:`SessionCodec`). The cookie is HttpOnly and SameSite=Strict, Secure
+over https.
 
 Every request that changes something carries the session's CSRF token (header
 ``X-CSRF-Token`` or form field ``csrf``); the page reads it from ``/api/me``, which another
@@ -20,10 +22,13 @@ import binascii
 import hashlib
 import hmac
 import json
+import logging
+import math
 import secrets
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from schemas import ConfigError
@@ -31,6 +36,8 @@ from schemas import ConfigError
 from ._users import Role
 
 __all__ = ["Session", "SessionCodec", "Throttle", "load_session_key"]
+
+log = logging.getLogger("consumers.console")
 
 #: How long a session lasts by default.
 DEFAULT_SESSION_SECONDS = 12 * 3600
@@ -72,6 +79,8 @@ class Session:
     csrf: str
     nonce: str
     expires: float
+    #: When it was issued (Unix time, to the millisecond).
+    issued: float
     #: A password session: a fingerprint of the user's stored hash when they signed in (a new
     #: password ends the sessions of the old one). Empty for the others.
     binding: str = ""
@@ -82,14 +91,45 @@ class Session:
         return f"{self.user} (shared token)" if self.via == "token" else self.user
 
 
-class SessionCodec:
-    """Issues and checks session cookies (see the module docstring)."""
+@dataclass(slots=True)
+class _SignedOut:
+    """The sessions of one user (by way of one sign-in) signed out before their expiry."""
 
-    def __init__(self, key: bytes, *, lifetime: float = DEFAULT_SESSION_SECONDS) -> None:
+    #: Nonce: (issued, expires).
+    nonces: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: Every session of theirs issued at or before this is signed out too.
+    before: float = -math.inf
+    #: When the last of the sessions it speaks of expires (then it can go).
+    until: float = -math.inf
+
+
+class SessionCodec:
+    """Issues and checks session cookies (see the module docstring).
+
+    Sign-outs are remembered until the sessions would have expired, in bounded memory: at
+    most ``max_per_user`` nonces per user (the oldest beyond that are signed out by time:
+    every session of that user issued up to then), and ``max_users`` users (beyond that the
+    user whose last sign-out is oldest is forgotten, and every session issued before it, of
+    anybody, is signed out). Past a bound more sessions end, never one signed out comes back.
+    """
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        lifetime: float = DEFAULT_SESSION_SECONDS,
+        max_per_user: int = 32,
+        max_users: int = 10_000,
+    ) -> None:
         self._key = hashlib.sha256(b"scheduled-events console session\0" + key).digest()
         self.lifetime = lifetime
-        #: Nonces of sessions signed out, with their expiry (dropped once expired).
-        self._revoked: dict[str, float] = {}
+        self.max_per_user = max_per_user
+        self.max_users = max_users
+        #: (how they signed in, who): their sign-outs; the least recently signed out first.
+        self._revoked: OrderedDict[tuple[str, str], _SignedOut] = OrderedDict()
+        #: Every session issued at or before this is signed out (past ``max_users``).
+        self._all_before = -math.inf
+        self._warned = -math.inf
 
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest()[:24])
@@ -104,13 +144,15 @@ class SessionCodec:
     ) -> tuple[Session, str]:
         """A new session and its cookie; ``bound_to`` (the user's stored password hash): the
         session holds only while :meth:`bound` says that is still the hash."""
+        now = time.time()
         session = Session(
             user=user,
             role=role,
             via=via,
             csrf=secrets.token_urlsafe(24),
             nonce=secrets.token_urlsafe(12),
-            expires=float(int(time.time() + self.lifetime)),
+            expires=float(int(now + self.lifetime)),
+            issued=int(now * 1000) / 1000,
             binding="" if bound_to is None else self._fingerprint(bound_to),
         )
         body = {
@@ -120,6 +162,7 @@ class SessionCodec:
             "c": session.csrf,
             "n": session.nonce,
             "e": int(session.expires),
+            "i": int(session.issued * 1000),
             "b": session.binding,
         }
         payload = _b64(json.dumps(body, separators=(",", ":")).encode())
@@ -139,20 +182,32 @@ class SessionCodec:
             return None
         try:
             body = json.loads(_unb64(payload))
+            expires = float(body["e"])
             session = Session(
                 user=str(body["u"]),
                 role=Role(body["r"]),
                 via=str(body["v"]),
                 csrf=str(body["c"]),
                 nonce=str(body["n"]),
-                expires=float(body["e"]),
+                expires=expires,
+                # a cookie from before sessions said when they were issued
+                issued=int(body["i"]) / 1000 if "i" in body else expires - self.lifetime,
                 binding=str(body.get("b", "")),
             )
         except (ValueError, KeyError, TypeError, binascii.Error):
             return None
-        if session.expires < time.time() or session.nonce in self._revoked:
+        if session.expires < time.time() or self.signed_out(session):
             return None
         return session
+
+    def signed_out(self, session: Session) -> bool:
+        """Whether ``session`` was signed out (or, past a bound, with older ones)."""
+        if session.issued <= self._all_before:
+            return True
+        record = self._revoked.get((session.via, session.user))
+        return record is not None and (
+            session.nonce in record.nonces or session.issued <= record.before
+        )
 
     def bound(self, session: Session, secret: str) -> bool:
         """Whether ``session`` was issued bound to ``secret`` (see :meth:`issue`)."""
@@ -161,11 +216,44 @@ class SessionCodec:
         )
 
     def revoke(self, session: Session) -> None:
+        """Sign ``session`` out (see the class docstring for the bounds)."""
         now = time.time()
-        for nonce, expires in list(self._revoked.items()):
+        while self._revoked:  # the least recently signed out, once all theirs expired
+            oldest = next(iter(self._revoked.values()))
+            if oldest.until >= now:
+                break
+            self._revoked.popitem(last=False)
+        key = (session.via, session.user)
+        record = self._revoked.setdefault(key, _SignedOut())
+        self._revoked.move_to_end(key)
+        for nonce, (_, expires) in list(record.nonces.items()):
             if expires < now:
-                del self._revoked[nonce]
-        self._revoked[session.nonce] = session.expires
+                del record.nonces[nonce]
+        record.nonces[session.nonce] = (session.issued, session.expires)
+        record.until = max(record.until, session.expires)
+        while len(record.nonces) > self.max_per_user:
+            nonce = min(record.nonces, key=lambda n: record.nonces[n][0])
+            issued, _ = record.nonces.pop(nonce)
+            record.before = max(record.before, issued)
+        while len(self._revoked) > self.max_users:
+            (via, user), forgotten = self._revoked.popitem(last=False)
+            newest = max((i for i, _ in forgotten.nonces.values()), default=-math.inf)
+            self._all_before = max(self._all_before, newest, forgotten.before)
+            if not math.isfinite(self._all_before) or now - self._warned < 60:
+                continue
+            self._warned = now  # once a minute at most: a flood of names is one line
+            log.warning(
+                "console: more than %d users signed out within a session's lifetime: every "
+                "session issued before %s is signed out too (%s by %s was the oldest)",
+                self.max_users,
+                datetime.fromtimestamp(self._all_before, UTC).isoformat(),
+                user,
+                via,
+            )
+
+    def remembered(self) -> int:
+        """How many sign-outs are remembered (bounded: see the class docstring)."""
+        return sum(len(record.nonces) + 1 for record in self._revoked.values())
 
     def form_token(self) -> str:
         """A token for the sign-in form (its cookie and its hidden field carry it)."""

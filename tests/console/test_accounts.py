@@ -150,3 +150,29 @@ def test_an_absurd_iteration_count_is_refused_with_its_line(tmp_path, capsys):
     argv = ["console-user", str(tmp_path / "other"), "carol", "--iterations", "20000000"]
     assert main([*argv, "--no-password"]) == 2
     assert "--iterations 20000000: from 1 to 10,000,000" in capsys.readouterr().err
+
+
+def test_sign_outs_are_remembered_in_bounded_memory_and_stay_signed_out():
+    """Every sign-out is remembered until the session would have expired. Behind the OIDC
+    proxy a mere viewer makes a session per request and signs it out, in a loop: what the
+    console remembers stays bounded (per user, and in all), and no session signed out ever
+    holds again; when a bound is reached the oldest sessions of that user (or, past the bound
+    on users, everybody's oldest) are signed out with them, never one let back in."""
+    codec = SessionCodec(b"a" * 32, max_per_user=8, max_users=50)
+    _, alice_cookie = codec.issue("alice", Role.OPERATOR, "password")
+    mallory = [codec.issue("mallory", Role.VIEWER, "proxy") for _ in range(3000)]
+    for session, _ in mallory:
+        codec.revoke(session)
+    assert codec.remembered() <= 8 + 1
+    assert all(codec.read(cookie) is None for _, cookie in mallory)
+    assert codec.read(alice_cookie) is not None  # another user's session is untouched
+    fresh, fresh_cookie = codec.issue("mallory", Role.VIEWER, "proxy")
+    assert codec.read(fresh_cookie) == fresh  # signing out again and again locks nobody out
+    # A name per sign-out (a shared token lets anyone pick one): bounded in all too.
+    names = [codec.issue(f"ops-{n}", Role.OPERATOR, "token") for n in range(500)]
+    for session, _ in names:
+        codec.revoke(session)
+    assert codec.remembered() <= 50 * (8 + 1)
+    assert all(codec.read(cookie) is None for _, cookie in names)
+    later, later_cookie = codec.issue("bob", Role.OPERATOR, "password")
+    assert codec.read(later_cookie) == later
