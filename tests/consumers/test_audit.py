@@ -13,7 +13,7 @@ import pytest
 from consumers import Action
 from consumers._audit import Appended, open_ledger
 from consumers._cli import main
-from schemas import MAX_KEY_LENGTH, SchemaError, decode, decode_newer
+from schemas import MAX_KEY_LENGTH, LifecycleMessage, SchemaError, decode, decode_newer
 
 from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
 
@@ -372,7 +372,7 @@ async def test_keys_at_the_contracts_longest_are_stored_and_one_longer_is_refuse
     name = "\U0001d519" * longest  # 4 bytes in UTF-8 each
     ev = event("\U0001d508" * longest, resources=(name,))
     identity = vm(name)
-    messages = [
+    messages: list[LifecycleMessage] = [
         transition("scheduled", ev, identity).model_copy(update={"id": "\U0001d526" * longest}),
         hook(identity, ev).model_copy(update={"id": "\U0001d527" * longest}),
         outcome(identity, ev),

@@ -105,8 +105,7 @@ async def test_a_decoder_defect_costs_the_message_that_met_it_not_the_stream(
     decoder raises here (what a defect looks like), as no known input makes the real one fail
     that way any more."""
     import consumers._stream as stream_module
-
-    real_decode = stream_module.decode
+    from schemas import decode as real_decode
 
     def flawed(body: bytes | str) -> LifecycleMessage:
         if b"defect" in (body if isinstance(body, bytes) else body.encode()):
