@@ -130,7 +130,9 @@ class _Guard:
         proxy_user = headers.get(self.auth.proxy_header) if self.auth.proxy_header else None
         current = self.auth.current(cookie, proxy_user)
         session = current.session
-        scope.setdefault("state", {})["session"] = session
+        state = scope.setdefault("state", {})
+        state["session"] = session
+        state["credentials"] = (cookie, proxy_user)  # to check the session again later
         extra: list[str] = []
         if current.set_cookie is not None and session is not None:
             name = SECURE_SESSION_COOKIE if secure else SESSION_COOKIE
@@ -410,10 +412,15 @@ def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
 
     async def stream(request: Request) -> Response:
         session = _session(request)
+        cookie, proxy_user = request.state.credentials
         loop = asyncio.get_running_loop()
         until = loop.time() + max(0.0, session.expires - time.time())
+
+        def holds() -> bool:  # signed out elsewhere, removed, a new password: the stream ends
+            return auth.still_holds(session, cookie, proxy_user)
+
         return StreamingResponse(
-            console.feed.stream(until=until),
+            console.feed.stream(until=until, holds=holds),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )

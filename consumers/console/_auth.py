@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from dataclasses import dataclass
 
 from ._sessions import Session, SessionCodec, Throttle
@@ -102,6 +103,16 @@ class Authenticator:
         if session.via == "token" and self.token is not None:
             return Current(session)
         return Current(None)
+
+    def still_holds(self, session: Session, cookie: str | None, proxy_user: str | None) -> bool:
+        """Whether ``session``, made for a request with ``cookie`` and ``proxy_user``, still
+        holds: not signed out or expired, and what is configured now (the users file, the
+        proxy's header) still lets the same person in the same way. For what outlives its
+        request: the live stream (which both roles may read: a new role does not end it)."""
+        if session.expires < time.time() or self.codec.signed_out(session):
+            return False
+        now = self.current(cookie, proxy_user).session
+        return now is not None and (now.user, now.via) == (session.user, session.via)
 
     def _role_of(self, name: str) -> Role:
         user = None if self.users is None else self.users.get(name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -133,10 +133,15 @@ class Feed:
         )
 
     async def stream(
-        self, *, until: float | None = None, keepalive: float = KEEPALIVE_SECONDS
+        self,
+        *,
+        until: float | None = None,
+        keepalive: float = KEEPALIVE_SECONDS,
+        holds: Callable[[], bool] | None = None,
     ) -> AsyncIterator[bytes]:
         """One page's server-sent events: a snapshot, then the batches; ends at ``until``
-        (loop time: the session's expiry) or when the feed closes."""
+        (loop time: the session's expiry), when the feed closes, or when ``holds()`` (asked
+        before every snapshot, batch and keep-alive) says the session no longer holds."""
         subscriber = Subscriber(self.queue_size)
         self.subscribers.add(subscriber)
         loop = asyncio.get_running_loop()
@@ -144,6 +149,8 @@ class Feed:
             yield b"retry: 2000\n\n"
             while not subscriber.closed:
                 if subscriber.needs_reset:
+                    if holds is not None and not holds():
+                        return
                     subscriber.needs_reset = False
                     for chunk in self.snapshot():
                         yield chunk
@@ -155,9 +162,8 @@ class Feed:
                 try:
                     chunk_or_none = await asyncio.wait_for(subscriber.queue.get(), timeout)
                 except TimeoutError:
-                    yield b": keep-alive\n\n"
-                    continue
-                if chunk_or_none is None:
+                    chunk_or_none = b": keep-alive\n\n"
+                if chunk_or_none is None or (holds is not None and not holds()):
                     return
                 if chunk_or_none:
                     yield chunk_or_none

@@ -779,3 +779,51 @@ async def test_a_deleted_users_file_signs_everybody_out(tmp_path, caplog):
         assert (await alice.get("/api/me")).status_code == 401
         assert (await sign_in(other, "alice")).status_code == 401
     assert "cannot read the users file" in caplog.text
+
+
+async def _streamed_after(c, client, end_session) -> tuple[list[str], bool]:
+    """The events a stream already open delivers after ``end_session()`` (within 3 s), and
+    whether it ended."""
+    _ev, identity, message = scheduled("EVT-BEFORE")
+    await c.publish(heartbeat(identity, at=NOW), message)
+    await c.known("EVT-BEFORE")
+    seen: list[str] = []
+    async with client.stream("GET", "/api/stream") as response:
+        lines = response.aiter_lines()
+        await read_batches(lines, lambda b: b.get("final"), 3)
+        await end_session()
+        assert (await client.get("/api/me")).status_code == 401
+        _, _, after = scheduled("EVT-AFTER", "web-9")
+        await c.publish(after)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(3):
+                async for line in lines:
+                    if line.startswith("data: "):
+                        seen += [e["id"] for e in json.loads(line[6:])["events"]]
+                return seen, True
+    return seen, False
+
+
+@pytest.mark.parametrize("how", ["signed out", "removed", "new password"])
+async def test_an_open_stream_ends_with_its_session(tmp_path, how):
+    """The live stream is checked again at every batch and keep-alive, not only when the page
+    connects: signed out (on another tab), removed from the users file or given a new
+    password, it delivers nothing more and ends (the page then goes to the sign-in form)."""
+    async with console(tmp_path) as c, c.client() as client, c.client() as other:
+        csrf = await signed_in(client, "victor")
+        users = tmp_path / "users"
+
+        async def end_session():
+            if how == "signed out":
+                other.cookies.update(dict(client.cookies))
+                response = await other.post("/logout", headers={"X-CSRF-Token": csrf})
+                assert response.status_code == 200
+            elif how == "removed":
+                lines = users.read_text().splitlines()
+                users.write_text("\n".join(x for x in lines if not x.startswith("victor:")) + "\n")
+            else:
+                write_user(users, "victor", Role.VIEWER, "a-new-password", iterations=1000)
+
+        seen, ended = await _streamed_after(c, client, end_session)
+        assert "EVT-AFTER" not in seen
+        assert ended
