@@ -48,7 +48,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._timeline import entry_line
-from ._auth import Authenticator
+from ._auth import Authenticator, SignInBusy
 from ._service import ActionRefused, ConsoleService
 from ._sessions import Session, same_token
 from ._users import is_plain_text
@@ -204,6 +204,11 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+def _retry_later(response: Response, seconds: float) -> Response:
+    response.headers["Retry-After"] = str(max(1, int(seconds) + 1))
+    return response
+
+
 def _client(scope: Scope) -> str:
     client = scope.get("client")
     return str(client[0]) if client else "?"
@@ -335,20 +340,44 @@ def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
             return login_page(
                 request, error="The sign-in form expired: please try again.", status=400
             )
-        wait = auth.throttle.retry_after(f"ip:{client}", f"name:{name.casefold()}")
+        keys = (f"ip:{client}", f"name:{name.casefold()}")
+        wait = auth.throttle.retry_after(*keys)
         if wait > 0:
             log.warning("sign-in of %r from %s refused: too many failures", name, client)
-            return login_page(
-                request,
-                error=f"Too many failed sign-ins: try again in {int(wait) + 1} s.",
-                status=429,
+            return _retry_later(
+                login_page(
+                    request,
+                    error=f"Too many failed sign-ins: try again in {int(wait) + 1} s.",
+                    status=429,
+                ),
+                wait,
             )
-        signed = await auth.sign_in(name, secret)
+        # Counted before the password is checked (a success takes it back): guesses sent at
+        # once are braked like guesses sent one after the other.
+        attempt = auth.throttle.failed(*keys)
+        try:
+            signed = await auth.sign_in(name, secret)
+        except SignInBusy:
+            auth.throttle.forget(attempt, *keys)
+            log.warning(
+                "sign-in of %r from %s refused: %d passwords are being checked already; "
+                "it may try again in a few seconds",
+                name,
+                client,
+                auth.max_checks,
+            )
+            return _retry_later(
+                login_page(
+                    request,
+                    error="Too many sign-ins at once: try again in a few seconds.",
+                    status=503,
+                ),
+                2,
+            )
         if signed is None:
-            auth.throttle.failed(f"ip:{client}", f"name:{name.casefold()}")
             log.warning("sign-in refused: %r from %s (wrong name or password)", name, client)
             return login_page(request, error="Wrong name or password.", status=401)
-        auth.throttle.succeeded(f"ip:{client}", f"name:{name.casefold()}")
+        auth.throttle.succeeded(*keys)
         session, value = signed
         log.info(
             "sign-in: %s (%s, by %s) from %s", session.user, session.role.value, session.via, client

@@ -21,9 +21,16 @@ import time
 from dataclasses import dataclass
 
 from ._sessions import Session, SessionCodec, Throttle
-from ._users import Role, UsersFile, is_plain_text
+from ._users import Role, User, UsersFile, is_plain_text
 
-__all__ = ["Authenticator"]
+__all__ = ["Authenticator", "SignInBusy"]
+
+#: Password checks (PBKDF2, a thread each) at once; beyond that a sign-in is told to come back.
+MAX_CHECKS = 8
+
+
+class SignInBusy(Exception):
+    """As many passwords are being checked as may be at once: try again shortly."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +58,8 @@ class Authenticator:
         self.token = token
         self.proxy_header = proxy_header.lower() if proxy_header else None
         self.throttle = throttle or Throttle()
+        self.max_checks = MAX_CHECKS
+        self._checking = 0
 
     @property
     def by_proxy(self) -> bool:
@@ -62,7 +71,9 @@ class Authenticator:
 
     async def sign_in(self, name: str, secret: str) -> tuple[Session, str] | None:
         """A new session and its cookie value when ``secret`` is the user's password (or the
-        shared token)."""
+        shared token). :class:`SignInBusy` when ``max_checks`` passwords are being checked
+        already: each is a thread's worth of PBKDF2, and guesses sent at once must not queue
+        threads without bound."""
         name = name.strip()
         if not name or not secret or len(name) > 200 or len(secret) > 1024:
             return None
@@ -70,7 +81,7 @@ class Authenticator:
             return None
         if self.users is not None:
             found = self.users.get(name)  # here, not in the thread: it may read the file again
-            user = await asyncio.to_thread(self.users.verify, found, secret)
+            user = await self._check(found, secret)
             if user is not None:
                 return self.codec.issue(
                     user.name, user.role, "password", bound_to=user.password_hash
@@ -78,6 +89,19 @@ class Authenticator:
         if self.token is not None and hmac.compare_digest(secret.encode(), self.token.encode()):
             return self.codec.issue(name, Role.OPERATOR, "token")
         return None
+
+    async def _check(self, user: User | None, secret: str) -> User | None:
+        assert self.users is not None
+        if self._checking >= self.max_checks:
+            raise SignInBusy
+        self._checking += 1
+        check = asyncio.get_running_loop().run_in_executor(None, self.users.verify, user, secret)
+        # Counted until the thread is done, even when the request is given up first.
+        check.add_done_callback(self._checked)
+        return await asyncio.shield(check)
+
+    def _checked(self, _: object) -> None:
+        self._checking -= 1
 
     def current(self, cookie: str | None, proxy_user: str | None) -> Current:
         """The request's session, checked against what is configured now (a user removed from

@@ -295,13 +295,23 @@ class Throttle:
                 wait = max(wait, failures[0] + self.window - now)
         return wait
 
-    def failed(self, *keys: str) -> None:
+    def failed(self, *keys: str) -> float:
+        """Count a failure (or an attempt not yet checked) for each key; returns its time, for
+        :meth:`forget`."""
         now = time.monotonic()
         if len(self._failures) >= self.max_keys:  # an address sweep: forget the oldest keys
             for key in list(self._failures)[: self.max_keys // 10]:
                 del self._failures[key]
         for key in keys:
             self._failures.setdefault(key, deque(maxlen=self.limit * 2)).append(now)
+        return now
+
+    def forget(self, at: float, *keys: str) -> None:
+        """Take back the failure :meth:`failed` counted ``at``: the attempt was not checked."""
+        for key in keys:
+            failures = self._failures.get(key)
+            if failures is not None and at in failures:
+                failures.remove(at)
 
     def succeeded(self, *keys: str) -> None:
         for key in keys:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import re
+import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -25,7 +26,7 @@ from consumers.console._feed import Feed
 from consumers.console._live import LatestDecision, LiveFleet
 from consumers.console._server import console_running
 from consumers.console._sessions import SessionCodec
-from consumers.console._users import Role, UsersFile, write_user
+from consumers.console._users import DEFAULT_ITERATIONS, Role, UsersFile, write_user
 from schemas import Approval, event_version, load_public_keys, load_signing_key
 from schemas.approvals import verify, write_key_pair
 from schemas.transport import MemoryBroker, open_transport
@@ -827,3 +828,86 @@ async def test_an_open_stream_ends_with_its_session(tmp_path, how):
         seen, ended = await _streamed_after(c, client, end_session)
         assert "EVT-AFTER" not in seen
         assert ended
+
+
+async def sign_in_from(
+    client: httpx.AsyncClient, address: str, name: str, password: str, token: str | None = None
+):
+    """A sign-in from ``address`` (X-Forwarded-For, which the console takes from 127.0.0.1,
+    its reverse proxy's address); ``token``: the form's, already fetched."""
+    token = token or _form_token((await client.get("/login")).text)
+    return await client.post(
+        "/login",
+        data={"name": name, "password": password, "csrf": token},
+        headers={"Origin": str(client.base_url).rstrip("/"), "X-Forwarded-For": address},
+    )
+
+
+async def test_concurrent_guesses_are_braked_like_sequential_ones(tmp_path):
+    """An attempt counts before its password is checked: 40 guesses sent at once from one
+    client get 5 password checks, like 40 one after the other, not 40."""
+    async with console(tmp_path) as c, c.client() as client:
+        write_user(
+            tmp_path / "users",
+            "alice",
+            Role.OPERATOR,
+            PASSWORDS["alice"],
+            iterations=DEFAULT_ITERATIONS,  # the production cost: checks overlap
+        )
+        token = _form_token((await client.get("/login")).text)
+
+        async def guess(n):
+            response = await client.post(
+                "/login",
+                data={"name": "alice", "password": f"guess-{n}", "csrf": token},
+                headers={"Origin": c.url},
+            )
+            return response.status_code
+
+        codes = await asyncio.gather(*(guess(n) for n in range(40)))
+        assert codes.count(401) <= 5, codes
+        assert set(codes) <= {401, 429, 503}, codes
+
+
+async def test_password_checks_run_a_few_at_a_time_and_the_rest_are_told_at_once(
+    tmp_path, monkeypatch
+):
+    """Each check is a thread's worth of PBKDF2: guesses from many addresses at once do not
+    queue threads without bound. Past a few checks at a time the answer is a 503 at once
+    (try again shortly), and the attempt does not count against the name or the address."""
+    lock = threading.Lock()
+    running = most = 0
+    check = UsersFile.verify
+
+    def slow_check(self, user, password):
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        try:
+            time.sleep(0.3)
+            return check(self, user, password)
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(UsersFile, "verify", slow_check)
+    async with console(tmp_path) as c, c.client() as client, c.client() as alice:
+        token = _form_token((await client.get("/login")).text)
+        responses = await asyncio.gather(
+            *(
+                sign_in_from(client, f"198.51.100.{n}", f"user-{n}", "guess", token)
+                for n in range(40)
+            )
+        )
+        codes = [response.status_code for response in responses]
+        assert most <= 8, most
+        assert codes.count(401) >= 1
+        busy = [response for response in responses if response.status_code == 503]
+        assert busy, codes
+        assert "Too many sign-ins at once" in busy[0].text
+        assert int(busy[0].headers["retry-after"]) >= 1
+        assert set(codes) == {401, 503}
+        assert (
+            await sign_in_from(alice, "198.51.100.1", "alice", PASSWORDS["alice"])
+        ).status_code == 303
