@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import shlex
+import stat
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -31,6 +34,7 @@ from schemas import API_VERSIONS, DEFAULT_API_VERSION, ConfigError
 from schemas.channels import DEFAULT_CHANNELS, ChannelNames
 from schemas.transitions import TransitionKind
 from schemas.transport import broker_kind, redact
+from schemas.transport._amqp_settings import parse_amqp_url
 
 __all__ = ["ENV_PREFIX", "AgentSettings", "HookSpec", "parse_settings"]
 
@@ -40,6 +44,14 @@ DEFAULT_STATE_DIR = Path("/var/lib/scheduled-events-agent")
 #: minutes ahead (15 for most kinds), so a longer life only widens the window for a replay; and
 #: past about 2.5e11 s, ``issued_at`` plus the lifetime is no date at all.
 MAX_APPROVAL_LIFETIME = 86_400.0
+#: The largest settings file read (far more than any holds) and the largest secret file (a
+#: connection string is a few hundred bytes): a larger one, or a device that never ends
+#: (``/dev/zero``), is refused unread.
+MAX_CONFIG_FILE = 1024 * 1024
+MAX_SECRET_FILE = 64 * 1024
+#: What a channel suffix may be: it ends up in every entity name, and those of RabbitMQ and
+#: Service Bus alike take letters, digits, ``.``, ``-`` and ``_``.
+_SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,15 +168,13 @@ class AgentSettings:
 
     def __post_init__(self) -> None:
         _check_url("imds_url", self.imds_url)
-        if not self.broker.strip():
+        _check_broker(self.broker)
+        if self.state_dir is not None:
+            _check_path("state_dir", self.state_dir)
+        if not self.metrics_host.isprintable():
             raise ConfigError(
-                f"broker: none given: pass --broker URL (or --broker-file FILE, or set "
-                f"{ENV_PREFIX}BROKER); memory://NAME only for a test in one process"
+                f"metrics_host must be a host name or address, got {self.metrics_host!r}"
             )
-        try:
-            broker_kind(self.broker)
-        except ConfigError as exc:
-            raise ConfigError(f"broker: {exc}") from exc
         if self.api_version not in API_VERSIONS:
             raise ConfigError(
                 f"api_version {self.api_version!r} is not one of {', '.join(API_VERSIONS)}"
@@ -220,6 +230,7 @@ class AgentSettings:
                 f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
             )
         for path in self.trust_keys:
+            _check_path("trust_keys", path)
             if not path.is_file():
                 raise ConfigError(f"trust_keys: {path} is not a readable file")
         if self.trust_keys and self.accept_unsigned_approvals:
@@ -265,9 +276,83 @@ class AgentSettings:
 
 
 def _check_url(name: str, value: str) -> None:
-    split = urlsplit(value)
+    """An http(s) URL the agent can send requests to, checked whole now: the HTTP client takes
+    it apart only at the first request (a port that is no number was a traceback there), and
+    puts its path in the request line as it is."""
+    if not (value.isascii() and value.isprintable()) or " " in value:
+        raise ConfigError(
+            f"{name} must be printable ASCII without spaces (percent-encode the rest), "
+            f"got {value!r}"
+        )
+    try:
+        split = urlsplit(value)
+        port = split.port
+    except ValueError as exc:
+        raise ConfigError(f"{name} is not a URL ({exc}), got {value!r}") from exc
     if split.scheme not in ("http", "https") or not split.hostname:
         raise ConfigError(f"{name} must be an http:// URL, got {value!r}")
+    if split.username is not None or split.password is not None:
+        # Not repeated: the password would be in the log.
+        raise ConfigError(f"{name} must carry no user or password (IMDS asks for none)")
+    if port == 0:
+        raise ConfigError(f"{name}: port 0 is no port to ask (1 to 65535), got {value!r}")
+    if "?" in value or "#" in value:
+        raise ConfigError(
+            f"{name} must have no ?query or #fragment (the agent appends /metadata/... to it), "
+            f"got {value!r}"
+        )
+
+
+def _check_broker(broker: str) -> None:
+    """A broker address the transport can use: its kind, its form and (RabbitMQ) its options,
+    checked now rather than when the agent first connects (a URL that was no URL raised
+    ValueError here; a bad port or option was refused only after IMDS had answered). Nothing
+    said here repeats a password."""
+    text = broker.strip()
+    if not text:
+        raise ConfigError(
+            f"broker: none given: pass --broker URL (or --broker-file FILE, or set "
+            f"{ENV_PREFIX}BROKER); memory://NAME only for a test in one process"
+        )
+    if not text.isprintable():
+        raise ConfigError("broker: the address holds a control character")
+    try:
+        kind = broker_kind(text)
+        if text.lower().startswith("endpoint="):
+            # A Service Bus connection string: its Endpoint is the URL to check.
+            parts = (p.partition("=") for p in text.split(";"))
+            url = next((v.strip() for k, _, v in parts if k.strip().lower() == "endpoint"), "")
+        else:
+            url = text
+        split = urlsplit(url)
+        split.port  # noqa: B018 - a port that is no number or out of range raises
+    except ConfigError as exc:
+        raise ConfigError(f"broker: {exc}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"broker: {_redacted(text)} is not a URL ({exc})") from exc
+    if kind == "rabbitmq":
+        try:
+            parse_amqp_url(text)
+        except ConfigError as exc:
+            raise ConfigError(f"broker: {exc}") from exc
+    elif kind == "servicebus" and not (split.netloc or split.path):
+        raise ConfigError(f"broker: {_redacted(text)} names no Service Bus namespace")
+
+
+def _redacted(url: str) -> str:
+    """The address, quoted, without its secrets (:func:`redact`); when it cannot be taken apart
+    to find them, only its scheme."""
+    try:
+        return repr(redact(url))
+    except ValueError:
+        scheme, sep, _ = url.partition("://")
+        return f"the {scheme}:// address" if sep else "the address"
+
+
+def _check_path(name: str, path: Path) -> None:
+    # Only a TOML file can give one: flags and environment variables cannot hold a NUL.
+    if "\0" in str(path):
+        raise ConfigError(f"{name}: {str(path)!r} holds a NUL character: no file has that name")
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -490,6 +575,10 @@ def parse_settings(
         values[name] = _coerce(name, value)
     suffix = values.pop("channel_suffix", None)
     if suffix:
+        if not _SUFFIX.fullmatch(suffix):
+            raise ConfigError(
+                f"channel_suffix must be 1 to 64 letters, digits, '.', '-' or '_', got {suffix!r}"
+            )
         values["channels"] = DEFAULT_CHANNELS.suffixed(suffix)
     broker_file = values.pop("broker_file", None)
     if broker_file:
@@ -499,23 +588,50 @@ def parse_settings(
     return AgentSettings(**values)
 
 
-def _read_secret(path: Path, name: str) -> str:
+def _read_text(path: Path, name: str, limit: int) -> str:
+    """A small UTF-8 file, whole: :class:`ConfigError` naming the setting for anything else
+    (not there, not a regular file, over ``limit`` bytes, not UTF-8). Opened without blocking
+    (a FIFO nobody writes to held the start for ever) and read at most ``limit`` bytes (a link
+    to ``/dev/zero`` was read until memory ran out). Says nothing of the content: it may be a
+    secret."""
+    _check_path(name, path)
     try:
-        lines = path.read_text().strip().splitlines()
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise ConfigError(f"{name}: {path} is not a regular file")
+        with os.fdopen(descriptor, "rb", closefd=False) as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from exc
+    finally:
+        os.close(descriptor)
+    if len(data) > limit:
+        raise ConfigError(f"{name}: {path} is larger than {limit // 1024} KiB: not one to read")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name}: {path} is not UTF-8 (byte {exc.start})") from exc
+
+
+def _read_secret(path: Path, name: str) -> str:
+    lines = _read_text(path, name, MAX_SECRET_FILE).strip().splitlines()
     if not lines or not lines[0].strip():
         raise ConfigError(f"{name}: {path} is empty")
     return lines[0].strip()
 
 
 def _read_toml(path: Path) -> dict[str, object]:
+    text = _read_text(path, "config", MAX_CONFIG_FILE)
     try:
-        data = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+        data = tomllib.loads(text)
+    except (ValueError, RecursionError) as exc:
+        # TOMLDecodeError is a ValueError; so is an integer of more than 4,300 digits, and
+        # brackets nested deeper than Python recurses raise RecursionError.
+        why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+        raise ConfigError(f"config: {path} is not valid TOML: {why}") from exc
     out: dict[str, object] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
