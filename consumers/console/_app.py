@@ -340,8 +340,7 @@ def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
             return login_page(
                 request, error="The sign-in form expired: please try again.", status=400
             )
-        keys = (f"ip:{client}", f"name:{name.casefold()}")
-        wait = auth.throttle.retry_after(*keys)
+        wait = auth.brake.retry_after(client, name)
         if wait > 0:
             log.warning("sign-in of %r from %s refused: too many failures", name, client)
             return _retry_later(
@@ -354,11 +353,21 @@ def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
             )
         # Counted before the password is checked (a success takes it back): guesses sent at
         # once are braked like guesses sent one after the other.
-        attempt = auth.throttle.failed(*keys)
+        delay = auth.brake.delay(name)
+        attempt = auth.brake.attempt(client, name)
+        if delay > 0:
+            log.warning(
+                "sign-in of %r from %s held %.0f s before its check: that name failed to sign "
+                "in too often lately (from anywhere)",
+                name,
+                client,
+                delay,
+            )
+            await asyncio.sleep(delay)
         try:
             signed = await auth.sign_in(name, secret)
         except SignInBusy:
-            auth.throttle.forget(attempt, *keys)
+            auth.brake.withdraw(attempt)
             log.warning(
                 "sign-in of %r from %s refused: %d passwords are being checked already; "
                 "it may try again in a few seconds",
@@ -377,7 +386,7 @@ def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
         if signed is None:
             log.warning("sign-in refused: %r from %s (wrong name or password)", name, client)
             return login_page(request, error="Wrong name or password.", status=401)
-        auth.throttle.succeeded(*keys)
+        auth.brake.succeeded(attempt)
         session, value = signed
         log.info(
             "sign-in: %s (%s, by %s) from %s", session.user, session.role.value, session.via, client

@@ -20,7 +20,7 @@ import hmac
 import time
 from dataclasses import dataclass
 
-from ._sessions import Session, SessionCodec, Throttle
+from ._sessions import Session, SessionCodec, SignInBrake
 from ._users import Role, User, UsersFile, is_plain_text
 
 __all__ = ["Authenticator", "SignInBusy"]
@@ -51,13 +51,13 @@ class Authenticator:
         users: UsersFile | None = None,
         token: str | None = None,
         proxy_header: str | None = None,
-        throttle: Throttle | None = None,
+        brake: SignInBrake | None = None,
     ) -> None:
         self.codec = codec
         self.users = users
         self.token = token
         self.proxy_header = proxy_header.lower() if proxy_header else None
-        self.throttle = throttle or Throttle()
+        self.brake = brake or SignInBrake()
         self.max_checks = MAX_CHECKS
         self._checking = 0
 

@@ -1,4 +1,5 @@
-"""Console sessions: a signed cookie, its CSRF token, and the brake on guessing passwords.
+"""Console sessions: a signed cookie, its CSRF token, and the brake on guessing passwords
+(:class:`SignInBrake`).
 
 A session is the cookie ``v1.<payload>.<mac>``: the payload (who, role, how they signed in, the
 CSRF token, a nonce, when it was issued, the expiry, for a password a fingerprint of the stored
@@ -21,6 +22,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -35,7 +37,7 @@ from schemas import ConfigError
 
 from ._users import Role
 
-__all__ = ["Session", "SessionCodec", "Throttle", "load_session_key"]
+__all__ = ["Attempt", "Session", "SessionCodec", "SignInBrake", "Throttle", "load_session_key"]
 
 log = logging.getLogger("consumers.console")
 
@@ -295,10 +297,15 @@ class Throttle:
                 wait = max(wait, failures[0] + self.window - now)
         return wait
 
-    def failed(self, *keys: str) -> float:
-        """Count a failure (or an attempt not yet checked) for each key; returns its time, for
-        :meth:`forget`."""
-        now = time.monotonic()
+    def recent(self, key: str) -> int:
+        """How many failures ``key`` has in the window."""
+        failures = self._recent(key, time.monotonic())
+        return 0 if failures is None else len(failures)
+
+    def failed(self, *keys: str, at: float | None = None) -> float:
+        """Count a failure (or an attempt not yet checked) for each key, ``at`` (monotonic
+        time, default now); returns it, for :meth:`forget`."""
+        now = time.monotonic() if at is None else at
         if len(self._failures) >= self.max_keys:  # an address sweep: forget the oldest keys
             for key in list(self._failures)[: self.max_keys // 10]:
                 del self._failures[key]
@@ -316,3 +323,88 @@ class Throttle:
     def succeeded(self, *keys: str) -> None:
         for key in keys:
             self._failures.pop(key, None)
+
+
+def _address(address: str) -> str:
+    """The client address the brake counts by: an IPv6 client by its /64 (one site's share,
+    which hands out addresses freely), else as given."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """A sign-in counted as failed before its password is checked."""
+
+    address: str
+    name: str
+    at: float
+
+
+class SignInBrake:
+    """The brake on guessing passwords: failed sign-ins in ``window`` seconds, counted three
+    ways.
+
+    - Per client address and name: after ``per_name`` that address waits before trying that
+      name again (429).
+    - Per client address, whatever the names: after ``per_address`` it waits (429): a password
+      sprayed over many names.
+    - Per name, from any address: beyond ``per_name`` each sign-in of that name waits before
+      its password is checked (1 s, doubling up to ``max_delay``), but is not refused. Whoever
+      knows an operator's name cannot lock them out, and guesses spread over many addresses
+      are slowed down.
+
+    An attempt counts before its password is checked (guesses sent at once are braked like
+    guesses sent one after the other); a success takes it back from the address and clears
+    the name's counts."""
+
+    def __init__(
+        self,
+        *,
+        per_name: int = 5,
+        per_address: int = 20,
+        window: float = 300.0,
+        max_delay: float = 10.0,
+    ) -> None:
+        self.per_name = per_name
+        self.max_delay = max_delay
+        self._pairs = Throttle(per_name, window)
+        self._addresses = Throttle(per_address, window)
+        self._names = Throttle(per_name, window)
+
+    def retry_after(self, address: str, name: str) -> float:
+        """Seconds before ``address`` may try ``name`` again (0: go ahead)."""
+        address = _address(address)
+        return max(
+            self._pairs.retry_after(f"{address} {name.casefold()}"),
+            self._addresses.retry_after(address),
+        )
+
+    def delay(self, name: str) -> float:
+        """Seconds a sign-in of ``name`` waits before its password is checked."""
+        beyond = self._names.recent(name.casefold()) - self.per_name
+        return 0.0 if beyond < 0 else min(self.max_delay, 2.0**beyond)
+
+    def attempt(self, address: str, name: str) -> Attempt:
+        """Count a sign-in as failed, before its password is checked."""
+        address, name = _address(address), name.casefold()
+        at = self._pairs.failed(f"{address} {name}")
+        self._addresses.failed(address, at=at)
+        self._names.failed(name, at=at)
+        return Attempt(address, name, at)
+
+    def succeeded(self, attempt: Attempt) -> None:
+        self._pairs.succeeded(f"{attempt.address} {attempt.name}")
+        self._addresses.forget(attempt.at, attempt.address)
+        self._names.succeeded(attempt.name)
+
+    def withdraw(self, attempt: Attempt) -> None:
+        """The attempt was not checked after all (too many checks at once): it does not count."""
+        self._pairs.forget(attempt.at, f"{attempt.address} {attempt.name}")
+        self._addresses.forget(attempt.at, attempt.address)
+        self._names.forget(attempt.at, attempt.name)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from consumers.__main__ import main
-from consumers.console._sessions import SessionCodec, Throttle, load_session_key
+from consumers.console._sessions import SessionCodec, SignInBrake, Throttle, load_session_key
 from consumers.console._users import Role, UsersFile, hash_password, verify_password, write_user
 from schemas import ConfigError
 
@@ -176,3 +176,15 @@ def test_sign_outs_are_remembered_in_bounded_memory_and_stay_signed_out():
     assert all(codec.read(cookie) is None for _, cookie in names)
     later, later_cookie = codec.issue("bob", Role.OPERATOR, "password")
     assert codec.read(later_cookie) == later
+
+
+def test_the_brake_counts_an_ipv6_client_by_its_64():
+    """A site hands out IPv6 addresses from its /64 freely: a new address per guess is still
+    the same client."""
+    brake = SignInBrake(per_name=2, per_address=3)
+    for n in range(3):
+        brake.attempt(f"2001:db8::{n + 1}", f"user-{n}")
+    assert brake.retry_after("2001:db8::ffff", "someone") > 0
+    assert brake.retry_after("2001:db8:0:1::1", "someone") == 0
+    assert brake.retry_after("192.0.2.1", "someone") == 0
+    assert brake.delay("user-0") == 0

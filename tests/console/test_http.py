@@ -911,3 +911,40 @@ async def test_password_checks_run_a_few_at_a_time_and_the_rest_are_told_at_once
         assert (
             await sign_in_from(alice, "198.51.100.1", "alice", PASSWORDS["alice"])
         ).status_code == 303
+
+
+async def test_a_stranger_cannot_lock_an_operator_out(tmp_path):
+    """Failures for a name count per client address: five wrong passwords for alice from a
+    stranger's address brake that address for alice, not alice from hers. Failures for a name
+    from anywhere slow its sign-ins down (a delay before the answer), never refuse them."""
+    async with console(tmp_path) as c, c.client() as stranger, c.client() as alice:
+        for n in range(5):
+            assert (
+                await sign_in_from(stranger, "203.0.113.7", "alice", f"guess-{n}")
+            ).status_code == 401
+        braked = await sign_in_from(stranger, "203.0.113.7", "alice", PASSWORDS["alice"])
+        assert braked.status_code == 429
+        assert "Too many failed sign-ins" in braked.text
+        started = time.monotonic()
+        mine = await sign_in_from(alice, "198.51.100.20", "alice", PASSWORDS["alice"])
+        assert mine.status_code == 303
+        assert time.monotonic() - started >= 0.9  # slowed: five failures of the name elsewhere
+        # Her success clears what was counted against her name: no delay any more.
+        started = time.monotonic()
+        again = await sign_in_from(stranger, "192.0.2.1", "alice", PASSWORDS["alice"])
+        assert again.status_code == 303
+        assert time.monotonic() - started < 0.9
+
+
+async def test_one_address_trying_many_names_is_braked(tmp_path):
+    """Twenty failures from one address, whatever the names, brake that address (a password
+    sprayed over many names); other addresses go on."""
+    async with console(tmp_path) as c, c.client() as sprayer, c.client() as victor:
+        for n in range(20):
+            response = await sign_in_from(sprayer, "203.0.113.9", f"user-{n}", "Summer2024!")
+            assert response.status_code == 401, n
+        braked = await sign_in_from(sprayer, "203.0.113.9", "victor", PASSWORDS["victor"])
+        assert braked.status_code == 429
+        assert int(braked.headers["retry-after"]) > 0
+        ok = await sign_in_from(victor, "198.51.100.30", "victor", PASSWORDS["victor"])
+        assert ok.status_code == 303
