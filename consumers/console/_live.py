@@ -26,8 +26,12 @@ __all__ = ["CONSOLE_POLICY", "LatestDecision", "LiveFleet"]
 #: The ``policy`` of what an operator did from the console (its decisions in the ledger).
 CONSOLE_POLICY = "console"
 #: Decisions about events the view does not know yet (the approver was faster than this
-#: console's copy of the stream), kept until the event arrives; the oldest go first.
+#: console's copy of the stream), kept until the event arrives; the oldest go first. Each is
+#: kept once (by its ledger position: PostgreSQL's console reads the last ones again at every
+#: poll), at most ``_EARLY_PER_EVENT`` an event (the latest: only the latest of each kind
+#: shows).
 _EARLY_DECISIONS = 5000
+_EARLY_PER_EVENT = 16
 
 
 def _iso(moment: datetime | None) -> str | None:
@@ -92,7 +96,7 @@ class LiveFleet:
         #: The latest approval signed for each event (by the approver or an operator).
         self.approvals: dict[str, LatestDecision] = {}
         self.holds: dict[str, Hold] = {}
-        self._early: OrderedDict[str, list[LatestDecision]] = OrderedDict()
+        self._early: OrderedDict[str, dict[int, LatestDecision]] = OrderedDict()
         self._changed_events: set[str] = set()
         self._changed_agents: set[str] = set()
         self._removed_events: set[str] = set()
@@ -104,8 +108,9 @@ class LiveFleet:
         state = self.fleet.apply(message)
         if state is not None:
             self.changed_event(state.event_id)
-            for decision in self._early.pop(state.event_id, ()):
-                self.decided(state.event_id, decision)
+            waiting = self._early.pop(state.event_id, {})
+            for position in sorted(waiting):
+                self.decided(state.event_id, waiting[position])
         self._changed_agents.add(message.vm.name.casefold())
 
     def changed_event(self, event_id: str) -> None:
@@ -121,7 +126,10 @@ class LiveFleet:
         """Take a ledger decision into account; True when it changed what the page shows.
         One about an event the view does not know waits (bounded) for the event."""
         if self.fleet.event(event_id) is None:
-            self._early.setdefault(event_id, []).append(decision)
+            waiting = self._early.setdefault(event_id, {})
+            waiting[decision.position] = decision
+            if len(waiting) > _EARLY_PER_EVENT:
+                del waiting[min(waiting)]
             self._early.move_to_end(event_id)
             while len(self._early) > _EARLY_DECISIONS:
                 self._early.popitem(last=False)

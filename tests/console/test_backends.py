@@ -17,10 +17,11 @@ from consumers._db import open_database
 from consumers._schema import ensure_schema
 from consumers.console._auth import Authenticator
 from consumers.console._server import console_running
+from consumers.console._service import ConsoleService
 from consumers.console._sessions import SessionCodec
 from consumers.console._users import UsersFile
 from schemas import ChannelNames
-from schemas.transport import open_transport
+from schemas.transport import MemoryBroker, open_transport
 from schemas.transport.rabbitmq import RabbitMQTransport
 from schemas.wire import lifecycle_message
 from tests._postgres import scratch_database
@@ -28,8 +29,6 @@ from tests.consumers._factory import event, heartbeat, transition, vm
 
 from ._stack import write_users
 from .test_http import signed_in
-
-pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 
 
 @pytest.fixture
@@ -39,6 +38,8 @@ async def postgres_url(postgres_dsn):
         yield url
 
 
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
 async def test_the_console_on_rabbitmq_and_postgresql(amqp_url, postgres_url, tmp_path):
     channels = ChannelNames().suffixed(f"console-{uuid.uuid4().hex[:8]}")
     auth = Authenticator(SessionCodec(b"p" * 32), users=UsersFile(write_users(tmp_path / "u")))
@@ -89,3 +90,35 @@ async def test_the_console_on_rabbitmq_and_postgresql(amqp_url, postgres_url, tm
                 assert [e["kind"] for e in found["entries"]] == ["decision.wait", "decision.hold"]
         finally:
             await publisher.delete_topology(exchanges=True)
+
+
+@pytest.mark.postgres
+async def test_a_quiet_ledger_on_postgresql_does_not_grow_the_console(postgres_url):
+    """On PostgreSQL each poll (every 0.5 s) reads the last 200 decisions again. One about an
+    event the view no longer knows (over and pruned) was kept once more at every poll: memory
+    grew while the ledger was quiet. It is kept once."""
+    name = f"console-{uuid.uuid4().hex[:8]}"
+    now = datetime.now(UTC).replace(microsecond=0)
+    identity = vm("web-1")
+    async with open_database(postgres_url) as db, open_transport(f"memory://{name}") as link:
+        await ensure_schema(db)
+        console = ConsoleService(link, db, signing_key=None)
+        ev = event("EVT-OLD", resources=("web-1",), not_before=now + timedelta(minutes=15))
+        console.live.apply(transition("scheduled", ev, identity, at=now))
+        await Ledger(db).append_decision(
+            "EVT-OLD",
+            "wait",
+            "NotBefore applies",
+            decided_by="approver",
+            policy="default",
+            event_type="Reboot",
+        )
+        over = event("EVT-OLD", status="Completed", resources=("web-1",))
+        console.live.apply(transition("completed", over, identity, at=now + timedelta(minutes=1)))
+        await console._load_decisions()
+        console.live.prune(now + timedelta(days=2))  # over and forgotten
+        assert console.live.fleet.event("EVT-OLD") is None
+        for _ in range(50):  # 25 s of polls, nothing new in the ledger
+            await console._new_decisions()
+        assert sum(len(waiting) for waiting in console.live._early.values()) <= 1
+    MemoryBroker.discard(name)

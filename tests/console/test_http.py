@@ -616,6 +616,25 @@ async def test_a_page_that_falls_behind_gets_a_snapshot_not_a_backlog(size):
     assert feed.subscribers == set()
 
 
+def test_decisions_waiting_for_their_event_are_kept_once_and_bounded():
+    """PostgreSQL's console reads the last 200 decisions again at every poll: one about an
+    event the view does not know (pruned an hour after it ended) waited once more at every
+    poll, without bound. Each waits once, and an event's waiting decisions are bounded; the
+    latest still applies when the event comes."""
+    live = LiveFleet()
+    for _ in range(50):
+        live.decided("EVT-GONE", LatestDecision.from_row(7, NOW, {"action": "wait"}))
+    for position in range(100, 1100):
+        body = {"action": "wait", "reason": f"decision {position}", "policy": "default"}
+        live.decided("EVT-LATER", LatestDecision.from_row(position, NOW, body))
+    assert len(live._early["EVT-GONE"]) == 1
+    assert len(live._early["EVT-LATER"]) <= 16
+    *_, message = scheduled("EVT-LATER")
+    live.apply(message)
+    row = live.event_row(live.fleet.event("EVT-LATER"))
+    assert row["decision"]["reason"] == "decision 1099"
+
+
 def test_a_decision_that_comes_before_its_event_waits_for_it():
     live = LiveFleet()
     decision = LatestDecision.from_row(
