@@ -30,6 +30,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from schemas import (
+    MAX_KEY_LENGTH,
     Approval,
     ApprovalOutcomeData,
     ApprovalOutcomeMessage,
@@ -40,6 +41,7 @@ from schemas import (
     ScheduledEvent,
     ScheduledEventsDocument,
     SchemaError,
+    TransportError,
     VmIdentity,
     check_lifetime,
     event_version,
@@ -112,6 +114,19 @@ class ApprovalHandler:
     # ------------------------------------------------------------------------------ handling
 
     async def handle(self, delivery: Delivery) -> None:
+        """Handle one delivery and settle it. An exception this handling did not expect is a
+        defect: it is logged with its traceback, the approval is reported refused
+        (``malformed``) and acked, and the agent goes on. Left to end the agent, one hostile
+        approval ended it and, never acked, every start after it. (A lost link is no defect:
+        the consumer reopens it, and the approval comes back.)"""
+        try:
+            await self._handle(delivery)
+        except TransportError:
+            raise
+        except Exception as exc:
+            await self._failed(delivery, exc)
+
+    async def _handle(self, delivery: Delivery) -> None:
         try:
             approval = Approval.from_bytes(delivery.body)
         except SchemaError as exc:
@@ -410,24 +425,68 @@ class ApprovalHandler:
 
     async def _malformed(self, delivery: Delivery, exc: SchemaError) -> None:
         log.warning("approval message %s is malformed: %s", delivery.message_id, exc)
+        await self._refused(delivery, None, str(exc))
+        await delivery.ack()
+
+    async def _failed(self, delivery: Delivery, exc: Exception) -> None:
+        """The handling of ``delivery`` raised ``exc``, which it did not expect (a defect):
+        report the approval refused, as ``malformed`` (this agent cannot handle it; trying it
+        again would fail again), and ack it."""
+        log.error(
+            "approval message %s: the agent failed on it (a defect: %s: %s); it is reported "
+            "refused (malformed) and acked, and the agent goes on",
+            delivery.message_id,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+        try:
+            approval: Approval | None = Approval.from_bytes(delivery.body)
+        except SchemaError:
+            approval = None
+        try:
+            await self._refused(
+                delivery,
+                approval,
+                f"this agent failed on the approval ({type(exc).__name__}: {exc}), a defect "
+                "in the agent: refused",
+            )
+        except TransportError:
+            raise
+        except Exception:
+            log.exception(
+                "approval message %s: its refusal could not be reported either; acked unreported",
+                delivery.message_id,
+            )
+        await delivery.ack()
+
+    async def _refused(self, delivery: Delivery, approval: Approval | None, detail: str) -> None:
+        """Report ``delivery`` refused as ``malformed``, with what can be read of it (the
+        delivery's own id and properties when it is no approval), each id cut to the longest
+        the contract takes, so that the report itself cannot fail on what the sender wrote."""
         self._metrics.approvals_rejected.labels(RejectReason.MALFORMED.value).inc()
-        event_id = delivery.properties.get("event_id")
+        if approval is not None:
+            event_id, approval_id = approval.event_id, approval.approval_id
+            decided_by, version = approval.decided_by, approval.event_version
+        else:
+            event_id = str(delivery.properties.get("event_id") or "unknown")
+            approval_id, decided_by, version = delivery.message_id or "unknown", "unknown", None
         data = ApprovalOutcomeData(
             vm=self._identity,
-            event_id=str(event_id)[:200] if event_id else "unknown",
-            approval_id=(delivery.message_id or "unknown")[:200],
-            decided_by="unknown",
+            event_id=event_id[:MAX_KEY_LENGTH],
+            approval_id=approval_id[:MAX_KEY_LENGTH],
+            decided_by=decided_by,
             applied=False,
             reason=RejectReason.MALFORMED.value,
-            detail=str(exc)[:500],
+            detail=detail[:500],
             dry_run=self._settings.dry_run,
             reply_to=self._reply_to,
+            event_version=version,
             epoch=self._epoch,
         )
         message = ApprovalOutcomeMessage.build(data, observed_at=datetime.now(UTC))
         await self._store.commit([message])
         self._committed()
-        await delivery.ack()
 
 
 def _describe(event: ScheduledEvent) -> str:
