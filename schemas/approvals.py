@@ -109,6 +109,21 @@ class Approval(BaseModel):
     def _readable_version(cls, value: str) -> str:
         return check_version(value)
 
+    @field_validator(*_TIMES)
+    @classmethod
+    def _exists_in_utc(cls, value: datetime) -> datetime:
+        """The times are signed (and compared) in UTC: one with none (year 1 at +01:00, year
+        9999 at -01:00) is no time an approval can have, refused here rather than raising
+        OverflowError in whatever first converts it (the signed bytes, before the signature
+        is checked)."""
+        try:
+            value.astimezone(UTC)
+        except OverflowError as exc:
+            raise ValueError(
+                f"time {value.isoformat()} lies outside years 1 to 9999 in UTC"
+            ) from exc
+        return value
+
     def canonical_bytes(self) -> bytes:
         """What is signed: every field but ``signature`` (as received, when it was), the times
         in UTC with microseconds, keys sorted, no spaces, UTF-8."""

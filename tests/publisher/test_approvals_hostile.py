@@ -74,6 +74,7 @@ async def test_an_approval_whose_times_have_no_utc_equivalent_is_refused_and_the
                 refused = await _outcome(rec, base.approval_id)
                 assert refused.kind is MessageType.APPROVAL_REJECTED
                 assert refused.data.reason == RejectReason.MALFORMED.value
+                assert "outside years 1 to 9999 in UTC" in refused.data.detail
                 good = signed_approval(sim, event.event_id, "web-7", key)
                 if mode == "unsigned":
                     good = good.model_copy(update={"key_id": None, "signature": None})

@@ -126,6 +126,28 @@ def test_what_is_not_an_approval_is_a_schema_error_whatever_the_bytes(raw: bytes
 
 
 @pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("issued_at", "0001-01-01T00:00:00+01:00"),
+        ("expires_at", "9999-12-31T23:59:59-01:00"),
+    ],
+    ids=["year-1-east", "year-9999-west"],
+)
+def test_an_approval_whose_times_have_no_utc_equivalent_is_a_schema_error(
+    key, field: str, value: str
+) -> None:
+    """Its times are signed in UTC: one with no UTC equivalent (year 1 at +01:00 is year 0)
+    made computing the signed bytes, and so verify(), raise OverflowError, for anyone who knew
+    a trusted key's (public) id. It is refused when it is read, as what is not an approval."""
+    approval = sign(
+        new_approval("EVT", "web-7", decided_by="policy", event_version=VERSION, now=NOW), key
+    )
+    fields = json.loads(approval.to_bytes()) | {field: value}
+    with pytest.raises(SchemaError, match="outside years 1 to 9999 in UTC"):
+        Approval.from_bytes(json.dumps(fields))
+
+
+@pytest.mark.parametrize(
     ("tamper", "reason"),
     [
         (
