@@ -14,9 +14,11 @@
                                   ``since``, ``until`` (UTC), ``limit``
 ================================  ==========================================================
 
-:class:`_Guard` sits in front of every route: no session, no response but a redirect to the
-sign-in page (or 401); every POST carries the session's CSRF token and, when the browser sends
-one, an ``Origin`` of this very site; every response carries a strict Content-Security-Policy.
+:class:`_Guard` sits in front of every route: behind the OIDC proxy (or given ``--host-name``)
+a ``Host`` that is not one of the console's names gets a 400 and nothing else; no session, no
+response but a redirect to the sign-in page (or 401); every POST carries the session's CSRF
+token and, when the browser sends one, an ``Origin`` of this very site; every response carries
+a strict Content-Security-Policy.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Collection
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
@@ -53,7 +56,7 @@ from ._service import ActionRefused, ConsoleService
 from ._sessions import Session, same_token
 from ._users import is_plain_text
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "host_name"]
 
 log = logging.getLogger("consumers.console")
 
@@ -102,6 +105,18 @@ def _cookies(headers: Headers) -> dict[str, str]:
     return cookie_parser("; ".join(headers.getlist("cookie")))
 
 
+def host_name(value: str | None) -> str:
+    """The name in a ``Host`` header (or a ``--host-name``), as compared: lower case, without
+    port, brackets or final dot (``[::1]:8600`` is ``::1``); empty when there is none."""
+    text = (value or "").strip().lower()
+    if text.startswith("["):
+        return text[1 : text.find("]")] if "]" in text else ""
+    name, colon, port = text.rpartition(":")
+    if colon and port.isdigit() and ":" not in name:
+        text = name
+    return text.rstrip(".")
+
+
 def _same_origin(headers: Headers, scheme: str) -> bool:
     """The browser's ``Origin`` (when it sends one) is this site."""
     origin = headers.get("origin")
@@ -112,17 +127,39 @@ def _same_origin(headers: Headers, scheme: str) -> bool:
 
 
 class _Guard:
-    """Authentication, CSRF and security headers in front of the whole application."""
+    """The host name, authentication, CSRF and security headers in front of the whole
+    application. ``hosts``: the names the console answers to (None: any)."""
 
-    def __init__(self, app: ASGIApp, auth: Authenticator) -> None:
+    def __init__(self, app: ASGIApp, auth: Authenticator, hosts: frozenset[str] | None) -> None:
         self.app = app
         self.auth = auth
+        self.hosts = hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        if self.hosts is not None:
+            # Before anything else: a page whose DNS name was rebound to this address is
+            # "same origin" with itself, and could set the proxy's header on its requests.
+            name = host_name(headers.get("host"))
+            if name not in self.hosts:
+                log.warning(
+                    "refused %s %r from %s: the Host %r is not a name of this console (if it "
+                    "is, start the console with --host-name %s)",
+                    scope["method"],
+                    scope["path"],
+                    _client(scope),
+                    headers.get("host", ""),
+                    name or "NAME",
+                )
+                await _error(
+                    400,
+                    f"this console does not answer to the name {name!r} (the Host header); "
+                    f"if it is its name, start the console with --host-name {name or 'NAME'}",
+                )(scope, receive, send)
+                return
         secure = scope.get("scheme") == "https"
         # Over https only the __Host- cookie counts: a plain one may have been planted by a
         # sibling subdomain or over plain http, and would sign this browser in as its maker.
@@ -287,8 +324,11 @@ def _term(value: str | None, name: str) -> str | None:
     return term or None
 
 
-def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
-    """The application: see the module docstring."""
+def create_app(
+    console: ConsoleService, auth: Authenticator, *, hosts: Collection[str] | None = None
+) -> ASGIApp:
+    """The application: see the module docstring. ``hosts``: the only names it answers to
+    (see :func:`host_name`; None: any)."""
     assets = _Assets()
 
     def login_page(request: Request, *, error: str = "", status: int = 200) -> Response:
@@ -570,4 +610,5 @@ def create_app(console: ConsoleService, auth: Authenticator) -> ASGIApp:
             ),
         ]
     )
-    return _Guard(app, auth)
+    allowed = None if hosts is None else frozenset(host_name(h) for h in hosts)
+    return _Guard(app, auth, allowed)

@@ -83,6 +83,17 @@ def add_console_commands(commands: Any) -> None:
         "the port directly could set it); roles from --users, others are viewers",
     )
     console.add_argument(
+        "--host-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name this console is reached by, as the reverse proxy passes it on in the Host "
+        "header (e.g. console.example.com; repeat for more). With --trust-proxy-header the "
+        "console answers only to these and its --listen address (a request naming another "
+        "host, e.g. by DNS rebinding, gets a 400); without it, giving any turns the same "
+        "check on",
+    )
+    console.add_argument(
         "--session-key-file",
         metavar="FILE",
         help="the key sessions are signed with (at least 32 characters), so sessions survive "
@@ -183,7 +194,7 @@ async def _console(args: argparse.Namespace) -> int:
     from .._db import open_database
     from .._schema import ensure_schema
     from ._auth import Authenticator
-    from ._server import console_running, is_loopback, parse_listen
+    from ._server import check_host_name, console_running, is_loopback, parse_listen
     from ._sessions import SessionCodec, load_session_key
 
     host, port = parse_listen(args.listen)
@@ -203,6 +214,7 @@ async def _console(args: argparse.Namespace) -> int:
             "the console needs a way to sign in: --users FILE (see `scheduled-events "
             "console-user`), --token/--token-file, or --trust-proxy-header behind an OIDC proxy"
         )
+    host_names = [check_host_name(name) for name in args.host_name]
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("give both --tls-cert and --tls-key, or neither")
     tls = (Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
@@ -246,6 +258,7 @@ async def _console(args: argparse.Namespace) -> int:
             approver_group=args.approver_group,
             origin=origin,
             verifier=verifier,
+            host_names=host_names,
         ) as (_, server):
             print(f"listening on {server.url}", flush=True)
             log.info(
@@ -263,6 +276,11 @@ async def _console(args: argparse.Namespace) -> int:
                     if given
                 ),
             )
+            if args.trust_proxy_header or host_names:
+                log.info(
+                    "console: answers only to the host names %s (give others with --host-name)",
+                    ", ".join(sorted({host, *host_names})),
+                )
             stop = asyncio.Event()
 
             async def until_stopped() -> None:

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import re
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,15 @@ from ._app import create_app
 from ._auth import Authenticator
 from ._service import ConsoleService, running
 
-__all__ = ["ConsoleServer", "console_running", "is_loopback", "parse_listen", "serve_console"]
+__all__ = [
+    "ConsoleServer",
+    "allowed_hosts",
+    "check_host_name",
+    "console_running",
+    "is_loopback",
+    "parse_listen",
+    "serve_console",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,36 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def allowed_hosts(listen: str, names: Sequence[str]) -> set[str]:
+    """The host names a console listening on ``listen`` answers to: that address (on loopback,
+    also ``localhost``, ``127.0.0.1`` and ``::1``) and ``names`` (its public names, as a
+    reverse proxy passes them on in ``Host``)."""
+    hosts = {listen, *names}
+    if is_loopback(listen):
+        hosts |= {"localhost", "127.0.0.1", "::1"}
+    return hosts
+
+
+def check_host_name(name: str) -> str:
+    """``name`` when it is a host name or an IP address (``--host-name``), else ConfigError."""
+    text = name.strip().rstrip(".")
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return text.strip("[]")
+    except ValueError:
+        pass
+    labels = text.split(".")
+    if not text or len(text) > 253 or not all(_LABEL.match(label) for label in labels):
+        raise ConfigError(
+            f"--host-name {name!r}: a host name (e.g. console.example.com) or an IP address, "
+            "without scheme, port or path"
+        )
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +187,11 @@ async def console_running(
     approver_group: str = "approver",
     origin: Origin | None = None,
     verifier: OriginVerifier | None = None,
+    host_names: Sequence[str] = (),
 ) -> AsyncIterator[tuple[ConsoleService, ConsoleServer]]:
-    """The console (its engine loaded and live, its page served) until the block exits."""
+    """The console (its engine loaded and live, its page served) until the block exits.
+    Behind the OIDC proxy, or when ``host_names`` are given, it answers only to those names
+    and its listen address (see :func:`allowed_hosts`)."""
     service = ConsoleService(
         transport,
         db,
@@ -159,7 +201,8 @@ async def console_running(
         origin=origin,
         verifier=verifier,
     )
-    app = create_app(service, auth)
+    hosts = allowed_hosts(host, host_names) if auth.by_proxy or host_names else None
+    app = create_app(service, auth, hosts=hosts)
     async with running(service), serve_console(app, host, port, tls=tls) as server:
         try:
             yield service, server

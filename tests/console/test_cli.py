@@ -81,6 +81,8 @@ async def test_without_the_extra_it_names_it_and_exits_2(module, tmp_path):
         (["--token", "t", "--listen", "nowhere"], "expected HOST:PORT"),
         (["--token", "t", "--tls-cert", "c.pem"], "both --tls-cert and --tls-key"),
         (["--users", "/nonexistent/users"], "cannot read the users file"),
+        (["--token", "t", "--host-name", "https://console.example.com/"], "--host-name"),
+        (["--token", "t", "--host-name", "console.example.com:443"], "without scheme, port"),
     ],
 )
 def test_bad_settings_are_one_line_and_exit_2(tmp_path, capsys, extra, said):
@@ -198,3 +200,46 @@ async def test_a_session_length_that_is_no_number_of_hours_is_refused_at_start(t
     assert err.count("\n") == 1, err
     assert "--session-hours " in err
     assert "a number of hours from 0.1 (6 minutes) to 720 (30 days)" in err
+
+
+async def test_behind_the_proxy_the_console_answers_to_its_host_names_only(tmp_path):
+    users = write_users(tmp_path / "users")
+    process = await _spawn(
+        "-m",
+        "consumers",
+        "console",
+        "--broker",
+        "memory://cli-hosts",
+        "--db",
+        str(tmp_path / "central.db"),
+        "--users",
+        str(users),
+        "--listen",
+        "127.0.0.1:0",
+        "--trust-proxy-header",
+        "X-Forwarded-User",
+        "--host-name",
+        "console.example.com",
+    )
+    try:
+        assert process.stdout is not None
+        first = (await asyncio.wait_for(process.stdout.readline(), 20)).decode().strip()
+        url = first.removeprefix("listening on ")
+        who = {"X-Forwarded-User": "alice"}
+        async with httpx.AsyncClient(base_url=url) as client:
+            for host, status in (
+                ("console.example.com", 200),
+                (url.removeprefix("http://"), 200),
+                ("rebind.example.net", 400),
+            ):
+                response = await client.get("/api/me", headers=who | {"Host": host})
+                assert response.status_code == status, host
+        process.send_signal(signal.SIGTERM)
+        _out, err = await _finish(process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, err
+    assert "the Host 'rebind.example.net' is not a name of this console" in err
+    assert "--host-name rebind.example.net" in err

@@ -63,7 +63,9 @@ class Console:
 
 
 @contextlib.asynccontextmanager
-async def console(tmp_path: Path, *, signing_key=True, token=None, proxy=None, users=True):
+async def console(
+    tmp_path: Path, *, signing_key=True, token=None, proxy=None, users=True, host_names=()
+):
     _, _public = write_key_pair(tmp_path / "keys")
     key = load_signing_key(tmp_path / "keys" / "approver.key") if signing_key else None
     users_file = UsersFile(write_users(tmp_path / "users")) if users else None
@@ -75,7 +77,8 @@ async def console(tmp_path: Path, *, signing_key=True, token=None, proxy=None, u
             open_database(str(tmp_path / "central.db")) as db,
         ):
             await ensure_schema(db)
-            async with console_running(transport, db, auth, signing_key=key) as running:
+            names = {"host_names": host_names} if host_names else {}
+            async with console_running(transport, db, auth, signing_key=key, **names) as running:
                 yield Console(*running, transport, db, tmp_path)
     finally:
         MemoryBroker.discard(name)
@@ -967,3 +970,42 @@ async def test_one_address_trying_many_names_is_braked(tmp_path):
         assert int(braked.headers["retry-after"]) > 0
         ok = await sign_in_from(victor, "198.51.100.30", "victor", PASSWORDS["victor"])
         assert ok.status_code == 303
+
+
+async def test_behind_the_proxy_a_foreign_host_name_is_refused_first(tmp_path):
+    """DNS rebinding: a page whose name now resolves to 127.0.0.1, in a browser on the
+    console's host, is 'same origin' with itself and may set X-Forwarded-User. The console
+    behind the proxy answers only to its --listen address and the --host-name names: anything
+    else is a 400 before any session is made, saying what to pass if the name is right."""
+    write_users(tmp_path / "users")
+    write_user(tmp_path / "users", "carol@example.com", Role.OPERATOR, None)
+    async with console(tmp_path, proxy="X-Forwarded-User") as c, c.client() as page:
+        port = c.url.rsplit(":", 1)[1]
+        carol = {"X-Forwarded-User": "carol@example.com"}
+        for host in (f"rebind.evil.example:{port}", "rebind.evil.example", "127.0.0.2", ""):
+            headers = carol | {"Host": host, "Origin": f"http://{host}"}
+            me = await page.get("/api/me", headers=headers)
+            assert me.status_code == 400, host
+            assert "--host-name" in me.json()["error"]
+            assert "set-cookie" not in me.headers
+            held = await page.post("/api/events/ANY/hold", json={}, headers=headers)
+            assert held.status_code == 400, host
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost."):
+            me = await page.get("/api/me", headers=carol | {"Host": host})
+            assert me.status_code == 200, host
+
+
+async def test_the_proxy_may_pass_on_the_public_names_given_with_host_name(tmp_path):
+    write_users(tmp_path / "users")
+    write_user(tmp_path / "users", "carol@example.com", Role.OPERATOR, None)
+    async with (
+        console(tmp_path, proxy="X-Forwarded-User", host_names=("Console.Example.com",)) as c,
+        c.client() as page,
+    ):
+        carol = {"X-Forwarded-User": "carol@example.com"}
+        for host in ("console.example.com", "CONSOLE.example.com.:443", "127.0.0.1"):
+            me = await page.get("/api/me", headers=carol | {"Host": host})
+            assert me.status_code == 200, host
+            assert me.json()["user"] == "carol@example.com"
+        other = await page.get("/api/me", headers=carol | {"Host": "example.com"})
+        assert other.status_code == 400
