@@ -44,6 +44,7 @@ from pydantic import (
 
 from ._errors import ApprovalRejected, ConfigError, RejectReason, SchemaError
 from .fingerprints import EVENT_VERSION_DEFINITION
+from .identity import MAX_KEY_LENGTH
 from .versioning import SCHEMA_VERSION, check_version
 
 if TYPE_CHECKING:
@@ -108,6 +109,19 @@ class Approval(BaseModel):
     @classmethod
     def _readable_version(cls, value: str) -> str:
         return check_version(value)
+
+    @field_validator("approval_id", "event_id", "vm")
+    @classmethod
+    def _bounded_key(cls, value: str) -> str:
+        """An id or a VM name is a key the contract bounds (:data:`~schemas.MAX_KEY_LENGTH`)
+        in the outcome that reports it: a longer one is no approval, refused here rather than
+        failing the agent's report of it."""
+        if len(value) > MAX_KEY_LENGTH:
+            raise ValueError(
+                f"{len(value)} characters, more than the {MAX_KEY_LENGTH} the contract takes "
+                "for an id or a VM name"
+            )
+        return value
 
     @field_validator(*_TIMES)
     @classmethod

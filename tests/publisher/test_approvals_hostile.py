@@ -6,19 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from publisher.simulator import EventSpec, EventType
-from schemas import ApprovalOutcomeMessage, MessageType, RejectReason, key_id, new_approval
+from schemas import (
+    MAX_KEY_LENGTH,
+    ApprovalOutcomeMessage,
+    MessageType,
+    RejectReason,
+    key_id,
+    new_approval,
+)
 from schemas.transport import open_transport
 from schemas.wire import approval_message
 
 from .conftest import Broker
 from .harness import Recorder, running, signed_approval, version_of
-from .test_approvals import _outcome, _web7
+from .test_approvals import _channels, _outcome, _send, _web7
 
 
 def _outcomes(rec: Recorder, approval_id: str) -> list[ApprovalOutcomeMessage]:
@@ -87,3 +95,26 @@ async def test_an_approval_whose_times_have_no_utc_equivalent_is_refused_and_the
                 await rec.wait_kind(MessageType.AGENT_ONLINE, count=2, within=15)
                 await asyncio.sleep(1.0)
         assert len(_outcomes(rec, base.approval_id)) == 1
+
+
+@pytest.mark.parametrize("field", ["approval_id", "event_id", "vm"])
+async def test_an_approval_with_an_id_over_the_contracts_bound_is_refused_as_malformed(
+    tmp_path: Path, field: str
+) -> None:
+    """A forged approval with a 201-character id (or VM name) was read, refused, and the
+    agent's report of it, which the contract bounds to 200 characters, failed validation and
+    ended the agent. It is refused as malformed, saying why, and the agent goes on."""
+    broker = Broker(f"memory://long-{uuid.uuid4().hex[:6]}", _channels("long"), "memory")
+    spec = EventSpec(event_type=EventType.FREEZE, resources=["web-7"], not_before_seconds=900)
+    async with _web7(broker, tmp_path, spec) as (sim, rec, event, key, settings):
+        forged = new_approval(
+            event.event_id, "web-7", decided_by="mallory", event_version="0" * 32
+        ).model_copy(update={field: "a" * (MAX_KEY_LENGTH + 1)})
+        async with running(settings):
+            await _send(broker, forged)
+            refused = await _outcome(rec, forged.approval_id[:MAX_KEY_LENGTH])
+            assert refused.data.reason == RejectReason.MALFORMED.value
+            assert f"more than the {MAX_KEY_LENGTH}" in refused.data.detail
+            good = signed_approval(sim, event.event_id, "web-7", key)
+            await _send(broker, good)
+            assert (await _outcome(rec, good.approval_id)).data.applied

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from schemas import (
+    MAX_KEY_LENGTH,
     Approval,
     ApprovalRejected,
     ConfigError,
@@ -145,6 +146,20 @@ def test_an_approval_whose_times_have_no_utc_equivalent_is_a_schema_error(
     fields = json.loads(approval.to_bytes()) | {field: value}
     with pytest.raises(SchemaError, match="outside years 1 to 9999 in UTC"):
         Approval.from_bytes(json.dumps(fields))
+
+
+@pytest.mark.parametrize("field", ["approval_id", "event_id", "vm"])
+def test_ids_and_the_vm_are_at_most_the_contracts_key_length(key, field: str) -> None:
+    """The outcome reports them, and the contract takes at most MAX_KEY_LENGTH characters
+    there: an approval with a longer one parsed, and the agent's report of it then failed
+    validation. It is refused when it is read; one of exactly that length is an approval."""
+    approval = sign(
+        new_approval("EVT", "web-7", decided_by="policy", event_version=VERSION, now=NOW), key
+    )
+    fields = json.loads(approval.to_bytes())
+    assert Approval.from_bytes(json.dumps(fields | {field: "a" * MAX_KEY_LENGTH}))
+    with pytest.raises(SchemaError, match=f"more than the {MAX_KEY_LENGTH}"):
+        Approval.from_bytes(json.dumps(fields | {field: "a" * (MAX_KEY_LENGTH + 1)}))
 
 
 @pytest.mark.parametrize(
