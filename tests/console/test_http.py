@@ -634,8 +634,9 @@ def test_decisions_waiting_for_their_event_are_kept_once_and_bounded():
     assert len(live._early["EVT-LATER"]) <= 16
     *_, message = scheduled("EVT-LATER")
     live.apply(message)
-    row = live.event_row(live.fleet.event("EVT-LATER"))
-    assert row["decision"]["reason"] == "decision 1099"
+    state = live.fleet.event("EVT-LATER")
+    assert state is not None
+    assert live.event_row(state)["decision"]["reason"] == "decision 1099"
 
 
 def test_a_decision_that_comes_before_its_event_waits_for_it():
