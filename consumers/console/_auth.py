@@ -9,8 +9,14 @@ Three ways in, any of which may be configured:
   a shared secret cannot vouch for it: the audit records ``NAME (shared token)``.
 - ``--trust-proxy-header X-Forwarded-User``: an OIDC reverse proxy (oauth2-proxy) signs people
   in and passes the name in that header; the console then listens on loopback only, since
-  anybody who could reach it directly could write the header. The role comes from the users
-  file (a ``-`` hash: no password), else ``viewer``.
+  anybody who could reach it directly could write the header, and answers only to its own
+  host names (``--host-name``: a page DNS-rebound to loopback could write it too). The role
+  comes from the users file (a ``-`` hash: no password), else ``viewer``.
+
+Sessions are checked against what is configured now at every request (and at every batch of
+the live stream): removed from the users file, given a new password there, or the file no
+longer readable, a password session ends. Sign-ins are braked (:class:`SignInBrake`), and at
+most ``MAX_CHECKS`` passwords are checked at once.
 """
 
 from __future__ import annotations
