@@ -313,7 +313,7 @@ class ApprovalHandler:
                 "this agent trusts no key (no --trust-key) and refuses unsigned approvals",
             )
         now = datetime.now(UTC)
-        lifetime = timedelta(seconds=settings.approval_max_lifetime)
+        lifetime = _max_lifetime(settings.approval_max_lifetime)
         if self._trusted or not settings.accept_unsigned_approvals:
             verify(approval, self._trusted, vm_name=vm, now=now, max_lifetime=lifetime)
         else:
@@ -487,6 +487,16 @@ class ApprovalHandler:
         message = ApprovalOutcomeMessage.build(data, observed_at=datetime.now(UTC))
         await self._store.commit([message])
         self._committed()
+
+
+def _max_lifetime(seconds: float) -> timedelta | None:
+    """``approval_max_lifetime`` as a cap on an approval's life: None (no cap) when it is
+    longer than a timedelta holds (about 2.7 million years, far past year 9999: it caps
+    nothing), rather than OverflowError at every approval. (The settings bound it to a day.)"""
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        return None
 
 
 def _describe(event: ScheduledEvent) -> str:

@@ -312,7 +312,8 @@ def _is_bad_signature(exc: Exception) -> bool:
 def check_lifetime(approval: Approval, now: datetime, max_lifetime: timedelta | None) -> None:
     """:class:`ApprovalRejected` (``expired``) unless ``now`` lies in the approval's life:
     issued no later than :data:`MAX_CLOCK_SKEW` from now, and before ``expires_at`` and
-    ``issued_at + max_lifetime``, whichever comes first."""
+    ``issued_at + max_lifetime``, whichever comes first (a cap that ends past year 9999, and
+    so after any ``expires_at``, caps nothing)."""
     if approval.issued_at > now + MAX_CLOCK_SKEW:
         raise ApprovalRejected(
             RejectReason.EXPIRED,
@@ -321,9 +322,14 @@ def check_lifetime(approval: Approval, now: datetime, max_lifetime: timedelta | 
         )
     expiry = approval.expires_at
     capped = ""
-    if max_lifetime is not None and approval.issued_at + max_lifetime < expiry:
-        expiry = approval.issued_at + max_lifetime
-        capped = f" (its lifetime capped at {max_lifetime.total_seconds():.0f} s by this agent)"
+    if max_lifetime is not None:
+        try:
+            cap = approval.issued_at + max_lifetime
+        except OverflowError:  # past year 9999: no cap
+            cap = expiry
+        if cap < expiry:
+            expiry = cap
+            capped = f" (its lifetime capped at {max_lifetime.total_seconds():.0f} s by this agent)"
     if expiry <= now:
         raise ApprovalRejected(
             RejectReason.EXPIRED, f"the approval expired at {_utc(expiry)}{capped}"

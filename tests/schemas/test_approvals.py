@@ -104,6 +104,29 @@ def test_the_receivers_lifetime_cap_wins_over_what_the_signer_granted(key) -> No
     assert caught.value.reason is RejectReason.EXPIRED
 
 
+@pytest.mark.parametrize(
+    "lifetime", [timedelta(seconds=1e12), timedelta.max], ids=["1e12 s", "timedelta.max"]
+)
+def test_a_lifetime_cap_past_year_9999_caps_nothing(key, lifetime: timedelta) -> None:
+    """issued_at plus a receiver's cap of about 2.5e11 s or more is no date (past year 9999):
+    that addition raised OverflowError at the first approval. Such a cap caps nothing: what
+    the signer granted decides."""
+    approval = sign(
+        new_approval("EVT", "web-7", decided_by="policy", event_version=VERSION, now=NOW), key
+    )
+    verify(approval, _trusted(key), vm_name="web-7", now=NOW, max_lifetime=lifetime)
+    with pytest.raises(ApprovalRejected) as caught:
+        verify(
+            approval,
+            _trusted(key),
+            vm_name="web-7",
+            now=NOW + timedelta(hours=1),
+            max_lifetime=lifetime,
+        )
+    assert caught.value.reason is RejectReason.EXPIRED
+    assert "capped" not in caught.value.detail
+
+
 def test_an_approval_issued_in_the_future_is_refused(key) -> None:
     approval = sign(
         new_approval(
