@@ -22,18 +22,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import re
 import sqlite3
 import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas import ConfigError, LifecycleMessage, MessageType, ScheduledEventsDocument
+from schemas.messages import MAX_SEQUENCE
 
 __all__ = [
     "STATE_FILE",
@@ -251,7 +255,10 @@ class StateStore:
             self._executor.shutdown(wait=True)
 
     async def load(self) -> StoredState:
-        result: StoredState = await self._run(_load)
+        """What the last run left. A row that cannot be read and can be done without is
+        dropped with a warning (see :func:`_load`); one that cannot was refused by
+        :meth:`open` already."""
+        result: StoredState = await self._run(_load, self.path)
         return result
 
     async def commit(
@@ -391,9 +398,16 @@ def _connect(directory: Path | None, path: Path | None) -> sqlite3.Connection:
         db.executescript(_SCHEMA)
     except sqlite3.DatabaseError as exc:
         raise ConfigError(f"state_dir: {path} is not a usable agent state ({exc})") from exc
-    if _meta(db, "epoch") is None:
-        _set_meta(db, "epoch", uuid.uuid4().hex)
-        _set_meta(db, "created", repr(time.time()))
+    try:
+        if _meta(db, "epoch") is None:
+            _set_meta(db, "epoch", uuid.uuid4().hex)
+            _set_meta(db, "created", repr(time.time()))
+        # What the agent cannot do without is refused now, before IMDS or the broker is asked.
+        _next_sequence(db, path)
+        _revisions(db, path)
+    except BaseException:
+        db.close()
+        raise
     return db
 
 
@@ -442,18 +456,152 @@ def _oldest(db: sqlite3.Connection) -> float | None:
     return None if row is None or row[0] is None else float(row[0])
 
 
-def _load(db: sqlite3.Connection) -> StoredState:
+# ------------------------------------------------------------------- the rows of ``meta``
+#
+# A row may be torn or hand-edited, or written by another version. Each is read here, and what
+# cannot be read is decided row by row: dropped with a warning when the agent can do without it
+# (the document, the epoch, the creation time), a ConfigError naming the file and the repair
+# when it cannot (the sequence, the revisions).
+
+#: An epoch as :func:`_connect` makes it (uuid4 hex), with room for another version's form.
+_EPOCH = re.compile(r"[0-9A-Za-z-]{1,64}")
+
+
+def _why(exc: BaseException) -> str:
+    """An error in one short line (pydantic's run to many)."""
+    if isinstance(exc, RecursionError):
+        return "nested too deep"
+    lines = str(exc).splitlines() or [type(exc).__name__]
+    return lines[0][:160]
+
+
+def _shown(raw: str) -> str:
+    return repr(raw) if len(raw) <= 40 else f"{raw[:40]!r}... ({len(raw)} characters)"
+
+
+def _where(path: Path | None) -> str:
+    return "the agent state" if path is None else str(path)
+
+
+def _next_sequence(db: sqlite3.Connection, path: Path | None) -> int:
+    """The next message's sequence. It never goes back (consumers may count on it, and the
+    outbox keeps rows under it): one that cannot be read stops the start."""
+    raw = _meta(db, "next_sequence")
+    if raw is None:
+        return 1
+    if re.fullmatch(r"[0-9]{1,19}", raw) and int(raw) <= MAX_SEQUENCE:
+        return int(raw)
+    kept = db.execute(
+        "SELECT max(s) FROM (SELECT max(sequence) AS s FROM outbox "
+        "UNION ALL SELECT max(sequence) FROM outbox_set_aside)"
+    ).fetchone()[0]
+    floor = 1 if kept is None else int(kept) + 1
+    raise ConfigError(
+        f"state_dir: {_where(path)}: the row next_sequence ({_shown(raw)}) is not a sequence "
+        "number: the agent cannot number its messages so that their sequence never goes back. "
+        "Restore the file from a backup, or set it above the last sequence consumers saw (at "
+        f"least {floor}): sqlite3 {_where(path)} \"UPDATE meta SET value = 'N' WHERE key = "
+        "'next_sequence'\""
+    )
+
+
+def _revisions(db: sqlite3.Connection, path: Path | None) -> dict[str, int]:
+    """Each event's last revision. A transition's message id is made of its event's revision:
+    without them the agent would give a new message the id of one already published, which
+    consumers drop as an id conflict. So one that cannot be read stops the start."""
+    raw = _meta(db, "revisions")
+    if raw is None:
+        return {}
+    why = None
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        why = _why(exc)
+    else:
+        if not isinstance(parsed, dict):
+            why = f"a JSON {type(parsed).__name__}, not an object"
+        elif not all(type(v) is int and 0 <= v <= MAX_SEQUENCE for v in parsed.values()):
+            why = "a revision is not a whole number from 0"
+    if why is None:
+        return {str(k): int(v) for k, v in parsed.items()}
+    raise ConfigError(
+        f"state_dir: {_where(path)}: the row revisions cannot be read ({why}): the agent would "
+        "give new messages the ids of messages already published, which consumers drop as id "
+        "conflicts. Restore the file from a backup, or take that risk and start the events' "
+        f"history afresh (every event in IMDS is then announced again): sqlite3 {_where(path)} "
+        "\"DELETE FROM meta WHERE key IN ('revisions', 'document')\""
+    )
+
+
+def _document(db: sqlite3.Connection, path: Path | None) -> ScheduledEventsDocument | None:
+    """The last IMDS document, or None when it cannot be read: the next poll's document takes
+    its place."""
     raw = _meta(db, "document")
-    document = None if raw is None else ScheduledEventsDocument.from_imds(json.loads(raw))
-    revisions = json.loads(_meta(db, "revisions") or "{}")
+    if raw is None:
+        return None
+    try:
+        return ScheduledEventsDocument.from_imds(json.loads(raw))
+    except (ValueError, RecursionError) as exc:  # SchemaError is a ValueError
+        log.warning(
+            "state %s: the last IMDS document stored cannot be read (%s): dropped. The next "
+            "poll's document takes its place: each of its events is announced again, under a "
+            "new revision; an event that ended since the last run is not reported ended",
+            _where(path),
+            _why(exc),
+        )
+        return None
+
+
+def _epoch(db: sqlite3.Connection, path: Path | None) -> str:
+    """The store's epoch; one that cannot be read is replaced by a new one, as a new store
+    would have: outcomes already reported keep their ids, later ones are of the new epoch."""
+    raw = _meta(db, "epoch")
+    if raw is not None and _EPOCH.fullmatch(raw):
+        return raw
+    epoch = uuid.uuid4().hex
+    _set_meta(db, "epoch", epoch)
+    log.warning(
+        "state %s: the store's epoch (%s) cannot be read: replaced by a new one, %s; approval "
+        "outcomes from now on are of the new epoch",
+        _where(path),
+        "none" if raw is None else _shown(raw),
+        epoch,
+    )
+    return epoch
+
+
+def _created(db: sqlite3.Connection, path: Path | None) -> float:
+    """When the store was created; one that cannot be read (or is no date) is taken as now
+    and stored so: an approval issued before it is reported as a possible repeat, the safe
+    side."""
+    raw = _meta(db, "created")
+    try:
+        created = float(raw) if raw is not None else math.nan
+        datetime.fromtimestamp(created, UTC)  # a date, between years 1 and 9999
+        if math.isfinite(created):
+            return created
+    except (ValueError, OverflowError, OSError):
+        pass
+    now = time.time()
+    _set_meta(db, "created", repr(now))
+    log.warning(
+        "state %s: the store's creation time (%s) cannot be read: taken as now; an approval "
+        "issued before now is reported as a possible repeat",
+        _where(path),
+        "none" if raw is None else _shown(raw),
+    )
+    return now
+
+
+def _load(db: sqlite3.Connection, path: Path | None) -> StoredState:
     return StoredState(
-        document=document,
+        document=_document(db, path),
         scope=_meta(db, "scope"),
-        next_sequence=int(_meta(db, "next_sequence") or 1),
+        next_sequence=_next_sequence(db, path),
         depth=_depth(db),
-        revisions={str(k): int(v) for k, v in revisions.items()},
-        epoch=_meta(db, "epoch") or "",
-        created=float(_meta(db, "created") or time.time()),
+        revisions=_revisions(db, path),
+        epoch=_epoch(db, path),
+        created=_created(db, path),
         set_aside=_count(db, "outbox_set_aside"),
     )
 
@@ -478,7 +626,7 @@ def _commit(
     now = time.time()
     db.execute("BEGIN IMMEDIATE")
     try:
-        sequence = int(_meta(db, "next_sequence") or 1)
+        sequence = _next_sequence(db, None)
         for message in messages:
             numbered = message.with_sequence(sequence)
             body = numbered.to_bytes()

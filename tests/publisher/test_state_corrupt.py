@@ -1,0 +1,193 @@
+"""A state file SQLite can open whose stored rows cannot be read (a torn or hand-edited row, a
+downgrade) stopped every start with a raw JSONDecodeError, AttributeError or ValueError: a
+traceback and exit 1, at every start, until someone found the row.
+
+What can be dropped is dropped with a warning that says what is lost and what happens next (the
+last document: the next poll's takes its place; the store's epoch and creation time). What the
+agent cannot do without (the message sequence, the event revisions: without them it would reuse
+message ids or let the sequence go back) is a ConfigError naming the state file and what to do:
+one line and exit status 2, before anything else is asked."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from publisher._state import STATE_FILE, StateStore
+from publisher.simulator import EventSpec, EventType
+from schemas import ConfigError, MessageType, TransitionMessage
+from schemas.channels import ChannelNames
+from schemas.messages import expected_id
+
+from .harness import recorder, running, settings_for, simulator_server
+
+
+async def _stored(state: Path, **rows: str) -> Path:
+    """A state dir whose ``meta`` rows are set to ``rows`` (as a hand edit would)."""
+    store = await StateStore.open(state)
+    await store.close()
+    with sqlite3.connect(state / STATE_FILE) as db:
+        for key, value in rows.items():
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+    db.close()
+    return state / STATE_FILE
+
+
+def _meta(path: Path, key: str) -> str | None:
+    with sqlite3.connect(path) as db:
+        row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    db.close()
+    return None if row is None else str(row[0])
+
+
+# ------------------------------------------------------------------ what cannot be dropped
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("next_sequence", "x"),
+        ("next_sequence", "-1"),
+        ("next_sequence", "1e3"),
+        ("next_sequence", str(2**63)),
+        ("revisions", "[1, 2]"),
+        ("revisions", "{not json"),
+        ("revisions", '{"A-1": "x"}'),
+        ("revisions", '{"A-1": -1}'),
+        ("revisions", '{"A-1": 1.5}'),
+        ("revisions", "[" * 100_000),
+    ],
+)
+async def test_an_unreadable_sequence_or_revisions_row_is_a_config_error_naming_the_file(
+    tmp_path: Path, key: str, value: str
+) -> None:
+    path = await _stored(tmp_path / "state", **{key: value})
+    with pytest.raises(ConfigError) as refused:
+        await StateStore.open(tmp_path / "state")
+    text = str(refused.value)
+    assert text.startswith(f"state_dir: {path}")
+    assert key in text  # names the row
+    assert "sqlite3" in text  # says how to repair it
+    assert "\n" not in text
+
+
+def test_the_agent_refuses_an_unreadable_sequence_in_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Before: a traceback and exit 1 at every start, once IMDS had answered."""
+    path = asyncio.run(_stored(tmp_path / "state", next_sequence="x"))
+    result = subprocess.run(
+        [sys.executable, "-m", "publisher", "--broker", "memory://t",
+         "--state-dir", str(tmp_path / "state"), "--imds-url", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-500:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"state_dir: {path}" in result.stderr
+
+
+async def test_the_remedy_for_a_sequence_names_a_number_above_every_row_kept(
+    tmp_path: Path,
+) -> None:
+    path = await _stored(tmp_path / "state", next_sequence="x")
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "INSERT INTO outbox (sequence, message_id, kind, droppable, body, created) "
+            "VALUES (41, 'm', 'agent.heartbeat', 1, x'00', 0)"
+        )
+    db.close()
+    with pytest.raises(ConfigError, match="at least 42"):
+        await StateStore.open(tmp_path / "state")
+
+
+# ------------------------------------------------------------------------ what is dropped
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"DocumentIncarnation": "many", "Events": 7}',
+        "[" * 100_000,
+    ],
+)
+async def test_an_unreadable_document_is_dropped_and_the_next_poll_replaces_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, document: str
+) -> None:
+    """The agent starts; the event IMDS shows is announced again, under a revision above the
+    one stored (no message id of an earlier message is given again), and the row is replaced
+    by the document just read."""
+    unique = uuid.uuid4().hex[:8]
+    broker, channels = f"memory://cm-{unique}", ChannelNames().suffixed(unique)
+    state = tmp_path / "state"
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        event = server.simulator.add_event(
+            EventSpec(event_type=EventType.FREEZE, resources=["web-7"], not_before_seconds=900)
+        )
+        path = await _stored(
+            state, document=document, revisions=f'{{"{event.event_id}": 4}}', next_sequence="9"
+        )
+        settings = settings_for(server, "web-7", broker, channels, state, poll_interval=0.2)
+        with caplog.at_level(logging.WARNING, logger="publisher"):
+            async with running(settings):
+                await rec.wait_kind(MessageType.SCHEDULED)
+    (scheduled,) = rec.of(MessageType.SCHEDULED)
+    assert isinstance(scheduled, TransitionMessage)
+    assert scheduled.data.revision == 5
+    assert scheduled.id == expected_id(scheduled)
+    assert scheduled.sequence >= 9
+    warned = [r.getMessage() for r in caplog.records if "document" in r.getMessage()]
+    assert warned
+    assert str(path) in warned[0]
+    assert "announced again" in warned[0]
+    stored = _meta(path, "document")
+    assert stored is not None
+    assert event.event_id in stored
+
+
+@pytest.mark.parametrize("created", ["x", "nan", "inf", "1e300", "-1e300"])
+async def test_an_unreadable_creation_time_is_taken_as_now(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, created: str
+) -> None:
+    """It tells an approval issued before the state existed (reported as a possible repeat):
+    now is the safe side. Before, ValueError at start; 1e300 passed the load and raised in
+    the approval handler."""
+    path = await _stored(tmp_path / "state", created=created)
+    before = time.time()
+    with caplog.at_level(logging.WARNING, logger="publisher"):
+        store = await StateStore.open(tmp_path / "state")
+        try:
+            loaded = await store.load()
+        finally:
+            await store.close()
+    assert before <= loaded.created <= time.time()
+    assert any("creation time" in r.getMessage() for r in caplog.records)
+    assert _meta(path, "created") == repr(loaded.created)  # said once, not at every start
+
+
+@pytest.mark.parametrize("epoch", ["", "x" * 10_000, "\x00"])
+async def test_an_unreadable_epoch_is_a_new_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, epoch: str
+) -> None:
+    path = await _stored(tmp_path / "state", epoch=epoch)
+    with caplog.at_level(logging.WARNING, logger="publisher"):
+        store = await StateStore.open(tmp_path / "state")
+        try:
+            loaded = await store.load()
+        finally:
+            await store.close()
+    assert len(loaded.epoch) == 32
+    assert loaded.epoch != epoch
+    assert any("epoch" in r.getMessage() for r in caplog.records)
+    assert _meta(path, "epoch") == loaded.epoch
