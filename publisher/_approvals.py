@@ -12,12 +12,15 @@ verifies and reports (``approval.applied`` with ``dry_run``) but never POSTs.
 
 The outcome is never misreported: the intent to apply an approval is durable before the POST,
 so an agent killed between its POST and the outcome reports it as applied when the approval
-comes back (or at its next start), not as ``event-not-scheduled``; an approval of an event this
-state store saw applied already, or issued before the store existed (a wiped state dir), is
-POSTed again (harmless for IMDS) and reported as a ``repeat``. The delivery is acked only after
-the outcome is in the durable outbox; an approval seen again after that is acked unapplied.
-Attempts are counted in the state store (the broker's own redelivery flag cannot count), and an
-approval IMDS cannot be asked about after ``MAX_ATTEMPTS`` is refused (``imds-refused``).
+comes back (or at its next start), not as ``event-not-scheduled``. But while its event still
+waits at the version approved (the POST may never have gone out), it is POSTed again only on
+every check a fresh approval passes, and refused with the reason otherwise. An approval of an
+event this state store saw applied already, or issued before the store existed (a wiped state
+dir), is POSTed again (harmless for IMDS) and reported as a ``repeat``. The delivery is acked
+only after the outcome is in the durable outbox; an approval seen again after that is acked
+unapplied. Attempts are counted in the state store (the broker's own redelivery flag cannot
+count), and an approval IMDS cannot be asked about after ``MAX_ATTEMPTS`` is refused
+(``imds-refused``).
 """
 
 from __future__ import annotations
@@ -257,23 +260,26 @@ class ApprovalHandler:
         return None
 
     async def _reconcile(self, intent: Intent, approval: Approval) -> None:
-        """An approval whose POST may have gone out before the agent stopped: IMDS takes a
-        second POST as a no-op, so it counts as applied, whatever the event did since."""
+        """An approval whose POST may have gone out before the agent stopped. When the event
+        moved on (started, gone, changed) or IMDS cannot say, no POST is made: it counts as
+        applied, whatever the event did since (IMDS would take a second POST as a no-op). When
+        it still waits at the version approved, the POST may never have gone out, and one made
+        now is a new POST: see :meth:`_post_again`."""
         event: ScheduledEvent | None = None
+        document: ScheduledEventsDocument | None = None
         try:
-            event = (await self._document(time.monotonic())).event(intent.event_id)
+            document = await self._document(time.monotonic())
+            event = document.event(intent.event_id)
         except ImdsError as exc:
             log.info("reconciling approval %s without IMDS (%s)", intent.approval_id, exc)
         if (
-            event is not None
+            document is not None
+            and event is not None
             and event.is_scheduled
             and event_version(event) == intent.event_version
         ):
-            # Still waiting with the version approved: make sure IMDS has the request.
-            try:
-                await self._imds.start_events([intent.event_id])
-            except ImdsError as exc:
-                log.info("POST again for %s failed (%s): reported anyway", intent.event_id, exc)
+            await self._post_again(intent, approval, document)
+            return
         status = "gone" if event is None else event.event_status
         log.info(
             "approval %s: POSTed before the agent stopped; reported as applied (the event is "
@@ -287,6 +293,62 @@ class ApprovalHandler:
             None,
             detail=f"POST StartRequests was made before the agent restarted; the event is "
             f"{status} now",
+        )
+
+    async def _post_again(
+        self, intent: Intent, approval: Approval, document: ScheduledEventsDocument
+    ) -> None:
+        """The event of a stored intent still waits at the version approved: its POST may
+        never have gone out. A POST now is made only on every check a fresh approval passes,
+        with this agent's settings now (it may have been restarted with ``--dry-run``, or
+        without the approver's key), at this moment (the approval may have expired), on
+        ``document`` (a poll begun after the restart). Otherwise no POST: the approval is
+        reported refused with the reason (or as a dry run), and its event counts as maybe
+        started here (the POST may have gone out before the restart)."""
+        earlier = "its POST, about to be made when the agent stopped, may have gone out"
+        try:
+            self._verify(approval)
+            event = self._check_in(document, approval)
+        except ApprovalRejected as rejected:
+            await self._report(
+                approval,
+                document.event(intent.event_id),
+                ApprovalRejected(
+                    rejected.reason, f"{rejected.detail}; {earlier}, none is made now"
+                ),
+                maybe_started=True,
+            )
+            return
+        if self._settings.dry_run:
+            log.info(
+                "dry run: approval %s for %s, stored before the agent restarted, verified, not "
+                "POSTed",
+                intent.approval_id,
+                intent.event_id,
+            )
+            await self._report(
+                approval,
+                event,
+                None,
+                detail=f"dry run: verified, not POSTed; {earlier}",
+                maybe_started=True,
+            )
+            return
+        try:
+            await self._imds.start_events([intent.event_id])
+        except ImdsError as exc:
+            log.info("POST again for %s failed (%s): reported anyway", intent.event_id, exc)
+        log.info(
+            "approval %s: POSTed again after the agent restarted (the event still waited); "
+            "reported as applied",
+            intent.approval_id,
+        )
+        await self._report(
+            approval,
+            event,
+            None,
+            detail="POST StartRequests was made before the agent restarted (or was about to "
+            "be), and again after it, the event still Scheduled",
         )
 
     async def reconcile_all(self) -> None:
@@ -324,12 +386,17 @@ class ApprovalHandler:
                 )
 
     async def _check_event(self, approval: Approval) -> ScheduledEvent:
-        vm = self._identity.name
         # A poll begun after the decision (by this VM's clock), and within DOCUMENT_MAX_AGE.
         decided_ago = (datetime.now(UTC) - approval.issued_at).total_seconds()
         document = await self._document(
             time.monotonic() - min(DOCUMENT_MAX_AGE, max(0.0, decided_ago))
         )
+        return self._check_in(document, approval)
+
+    def _check_in(self, document: ScheduledEventsDocument, approval: Approval) -> ScheduledEvent:
+        """The event ``approval`` starts, if ``document`` shows it may be started: listing
+        this VM, Scheduled, at the version approved; else :class:`ApprovalRejected`."""
+        vm = self._identity.name
         event = document.event(approval.event_id)
         if event is None:
             raise ApprovalRejected(

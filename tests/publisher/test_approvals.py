@@ -12,7 +12,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from publisher import AgentSettings
+from publisher._state import StateStore
 from publisher.simulator import EventInfo, EventSpec, EventState, EventType, FaultSpec, Simulator
 from schemas import (
     Approval,
@@ -504,3 +507,72 @@ async def test_an_approval_decided_after_the_last_poll_is_checked_against_a_new_
     )
     assert outcome.data.reason == "event-changed"
     assert requests == ["GET", "GET"]
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("still valid", "applied"),
+        ("expired", RejectReason.EXPIRED.value),
+        ("now --dry-run", "dry run"),
+        ("key removed", RejectReason.OBSERVE_ONLY.value),
+        ("event changed", "not posted"),
+    ],
+)
+async def test_an_intent_whose_post_may_not_have_gone_out_is_posted_at_start_only_if_still_valid(
+    tmp_path: Path, case: str, expected: str
+) -> None:
+    """The agent stored its intent to apply an approval, then stopped before the POST went
+    out: at its next start the event is still Scheduled, at the version approved. The POST it
+    makes then is a new POST: made only on every check a fresh approval passes, never when the
+    approval has expired since (a Redeploy announced days ahead), when the agent now runs with
+    --dry-run or without the approver's key (observe-only: "every approval will be refused"),
+    or when the event changed after it was judged. Before, it was POSTed with no check (but
+    for the event's version)."""
+    broker = Broker(f"memory://intent-{uuid.uuid4().hex[:6]}", _channels("intent"), "memory")
+    spec = EventSpec(
+        event_type=EventType.REDEPLOY, resources=["web-7"], not_before_seconds=3 * 86400
+    )
+    async with _web7(broker, tmp_path, spec) as (sim, rec, event, key, settings):
+        version = version_of(sim, event.event_id)
+        issued = datetime.now(UTC) - timedelta(hours=3 if case == "expired" else 0)
+        approval = sign(
+            new_approval(
+                event.event_id, "web-7", decided_by="policy", event_version=version, now=issued
+            ),
+            key,
+        )
+        # What the agent did before its POST (then it stopped).
+        store = await StateStore.open(settings.state_dir)
+        await store.record_intent(
+            approval.approval_id, event.event_id, version, approval.to_bytes()
+        )
+        await store.close()
+        if case == "now --dry-run":
+            settings = replace(settings, dry_run=True)
+        if case == "key removed":
+            settings = replace(settings, trust_keys=())
+        if case == "event changed":
+            sim.update_event(event.event_id, duration_in_seconds=600)
+        async with running(settings):
+            outcome = await _outcome(rec, approval.approval_id)
+    posts = _posts_to(sim, "web-7")
+    if expected == "applied":
+        assert outcome.kind is MessageType.APPROVAL_APPLIED
+        assert len(posts) == 1
+        return
+    assert posts == [], f"{case}: POSTed at start"
+    assert sim.get_event(event.event_id).state is EventState.SCHEDULED
+    if expected == "not posted":
+        return
+    if expected == "dry run":
+        assert outcome.data.dry_run
+        assert "not POSTed" in outcome.data.detail
+    else:
+        assert outcome.kind is MessageType.APPROVAL_REJECTED
+        assert outcome.data.reason == expected
+        assert "may have gone out" in outcome.data.detail
+
+
+def _posts_to(sim: Simulator, vm: str) -> list[str]:
+    return [r.path for r in sim.requests(vm=vm) if r.method == "POST"]
