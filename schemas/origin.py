@@ -64,6 +64,12 @@ ATTESTATION = "origin-attestation"
 #: written just before the agent refreshed its attestation and published just after).
 _SKEW = timedelta(minutes=10)
 _CACHE = 20_000
+#: The longest attestation taken, in characters. Azure's is a few KiB (the signed document and
+#: the signing certificate): a longer one is refused before it is decoded, parsed or cached.
+_MAX_ATTESTATION = 64 * 1024
+#: The most certificates an attestation may carry (Azure's carries its signing certificate);
+#: each one costs a parse and, in the chain check, a signature check per step.
+_MAX_CERTIFICATES = 8
 
 
 class OriginRejected(RelayError):
@@ -112,69 +118,104 @@ def load_trusted_certificates(paths: Iterable[Path]) -> list[Any]:
 
 
 def _verify_signed_data(raw: bytes, trusted: list[Any], now: datetime) -> bytes:
-    """The content of a PKCS#7 SignedData whose signer chains to ``trusted``; else raise."""
+    """The content of a PKCS#7 SignedData whose signer chains to ``trusted``; else raise
+    :class:`OriginRejected`.
+
+    ``raw`` is whatever a sender put in a message, so every part of it is read inside one
+    ``try`` (asn1crypto parses lazily: a field is only parsed, and fails, when it is first
+    read), into plain values, before anything is checked with them."""
     from asn1crypto import cms
     from cryptography import x509
-    from cryptography.exceptions import InvalidSignature
+    from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 
     try:
-        info = cms.ContentInfo.load(raw)
+        info = cms.ContentInfo.load(raw, strict=True)  # strict: nothing after the DER
         if info["content_type"].native != "signed_data":
             raise OriginRejected("the attestation is not PKCS#7 signed data")
         signed = info["content"]
         content = signed["encap_content_info"]["content"].native
-        certificates = [
-            x509.load_der_x509_certificate(c.chosen.dump()) for c in signed["certificates"]
-        ]
-        (signer,) = signed["signer_infos"]
-        sid = signer["sid"].chosen
+        carried = signed["certificates"]
+        if len(carried) > _MAX_CERTIFICATES:
+            raise OriginRejected(
+                f"the attestation carries {len(carried)} certificates (at most "
+                f"{_MAX_CERTIFICATES} are taken)"
+            )
+        certificates = []
+        for choice in carried:
+            if choice.name != "certificate":
+                raise OriginRejected("the attestation carries a certificate that is not X.509")
+            # RFC 5280: positive. cryptography still loads another with a warning; refused here.
+            if choice.chosen["tbs_certificate"]["serial_number"].native <= 0:
+                raise OriginRejected("the attestation carries a certificate with no valid serial")
+            certificates.append(x509.load_der_x509_certificate(choice.chosen.dump()))
+        signers = signed["signer_infos"]
+        if len(signers) != 1:
+            raise OriginRejected(f"the attestation has {len(signers)} signers, not one")
+        signer = signers[0]
+        sid = signer["sid"]
+        if sid.name != "issuer_and_serial_number":
+            raise OriginRejected(
+                "the attestation's signer is not named by issuer and serial number"
+            )
+        serial = sid.chosen["serial_number"].native
         digest_name = signer["digest_algorithm"]["algorithm"].native
         attributes = signer["signed_attrs"]
+        digests: list[object] | None = None
+        signed_bytes = content
+        if len(attributes):
+            digests = []
+            for attribute in attributes:
+                if attribute["type"].native == "message_digest":
+                    digests.extend(value.native for value in attribute["values"])
+            signed_bytes = attributes.untag().dump()
         signature = signer["signature"].native
     except OriginRejected:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        x509.InvalidVersion,
+    ) as exc:
         raise OriginRejected(f"the attestation is not readable PKCS#7: {exc}") from exc
     if not isinstance(content, bytes):
         raise OriginRejected("the attestation has no content")
-    algorithm: hashes.HashAlgorithm = {
-        "sha256": hashes.SHA256(),
-        "sha384": hashes.SHA384(),
-        "sha512": hashes.SHA512(),
-    }.get(digest_name) or hashes.SHA256()
-    if digest_name not in ("sha256", "sha384", "sha512"):
+    if not isinstance(signature, bytes):
+        raise OriginRejected("the attestation has no signature")
+    algorithm: hashes.HashAlgorithm
+    if digest_name == "sha256":
+        algorithm = hashes.SHA256()
+    elif digest_name == "sha384":
+        algorithm = hashes.SHA384()
+    elif digest_name == "sha512":
+        algorithm = hashes.SHA512()
+    else:
         raise OriginRejected(f"the attestation's digest {digest_name} is not accepted")
-    serial = sid["serial_number"].native if "serial_number" in sid else None
     signer_cert = next((c for c in certificates if c.serial_number == serial), None)
     if signer_cert is None:
         raise OriginRejected("the attestation does not carry its signing certificate")
     if not (signer_cert.not_valid_before_utc <= now <= signer_cert.not_valid_after_utc):
         raise OriginRejected("the attestation's signing certificate is not valid now")
     _chains(signer_cert, certificates, trusted, now)
-    digest = hashes.Hash(algorithm)
-    digest.update(content)
-    expected = digest.finalize()
-    message_digest = None
-    if attributes:
-        for attribute in attributes:
-            if attribute["type"].native == "message_digest":
-                message_digest = attribute["values"][0].native
-        if message_digest != expected:
+    if digests is not None:
+        # RFC 5652: signed attributes hold exactly one messageDigest, of exactly one value.
+        digest = hashes.Hash(algorithm)
+        digest.update(content)
+        if digests != [digest.finalize()]:
             raise OriginRejected("the attestation's content does not match its digest")
-        signed_bytes = attributes.untag().dump()
-    else:
-        signed_bytes = content
-    key = signer_cert.public_key()
     try:
+        key = signer_cert.public_key()
         if isinstance(key, rsa.RSAPublicKey):
             key.verify(signature, signed_bytes, padding.PKCS1v15(), algorithm)
         elif isinstance(key, ec.EllipticCurvePublicKey):
             key.verify(signature, signed_bytes, ec.ECDSA(algorithm))
         else:
             raise OriginRejected("the attestation's key type is not accepted")
-    except InvalidSignature as exc:
+    except (InvalidSignature, ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise OriginRejected("the attestation's signature does not verify") from exc
     return content
 
@@ -283,16 +324,34 @@ class OriginVerifier:
         return pairs
 
     def attested(self, attestation: str, now: datetime) -> Attested:
-        """The verified content of an attestation (cached by its text)."""
+        """The verified content of an attestation (cached by its text); :class:`OriginRejected`
+        for anything else, whatever its shape."""
         known = self._attested.get(attestation)
         if known is not None:
             self._attested.move_to_end(attestation)
             return known
+        if len(attestation) > _MAX_ATTESTATION:
+            raise OriginRejected(
+                f"the attestation is {len(attestation)} characters long (at most "
+                f"{_MAX_ATTESTATION} are taken)"
+            )
         try:
             raw = base64.b64decode(attestation, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise OriginRejected("the attestation is not base64") from exc
-        content = _verify_signed_data(raw, self._trusted, now)
+        try:
+            content = _verify_signed_data(raw, self._trusted, now)
+        except OriginRejected:
+            raise
+        except Exception as exc:
+            # What the parsers raise for the shapes read above is handled there. Whatever else
+            # a crafted structure makes them raise is a refusal too: a check of hostile input
+            # fails closed, and check() promises OriginRejected and nothing else (a consumer
+            # turns only that into a dead letter).
+            log.warning("an attestation could not be checked (%r): refused", exc)
+            raise OriginRejected(
+                f"the attestation cannot be checked: {type(exc).__name__}: {exc}"
+            ) from exc
         try:
             document = json.loads(content)
             stamp = document["timeStamp"]
@@ -303,8 +362,9 @@ class OriginVerifier:
                 created=_azure_time(stamp["createdOn"]),
                 expires=_azure_time(stamp["expiresOn"]),
             )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise OriginRejected(f"the attested document is not what Azure signs: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            why = "nested too deep" if isinstance(exc, RecursionError) else exc
+            raise OriginRejected(f"the attested document is not what Azure signs: {why}") from exc
         self._attested[attestation] = result
         while len(self._attested) > _CACHE:
             self._attested.popitem(last=False)
