@@ -7,7 +7,8 @@ expired (nor outlived ``approval_max_lifetime`` since it was issued, whatever it
 this VM; the event is in a document from a poll begun after the approval was decided, and at
 most ``DOCUMENT_MAX_AGE`` (a second) before the check, lists this VM, is still Scheduled, and is
 still the version the approval was decided on (``event-changed`` otherwise: an event that changed
-after it was judged is judged again, never started on the old judgement). ``--dry-run``
+after it was judged is judged again, never started on the old judgement). A POST IMDS refuses
+is retried only after every check again, on a poll begun after it failed. ``--dry-run``
 verifies and reports (``approval.applied`` with ``dry_run``) but never POSTs.
 
 The outcome is never misreported: the intent to apply an approval is durable before the POST,
@@ -53,7 +54,7 @@ from schemas import (
 from schemas._backoff import Backoff
 from schemas.transport import Delivery
 
-from ._imds import ImdsClient, with_retries
+from ._imds import RETRYABLE_KINDS, ImdsClient
 from ._observability import Metrics
 from ._settings import AgentSettings
 from ._state import Intent, StateStore
@@ -64,6 +65,10 @@ log = logging.getLogger(__name__)
 
 #: Deliveries of one approval while IMDS cannot be asked, before it is refused.
 MAX_ATTEMPTS = 5
+
+#: POSTs of one approval IMDS refuses with a retryable error before it is reported
+#: ``imds-refused``; before each retry the event is looked at again, on a new poll.
+POST_ATTEMPTS = 3
 
 #: How long before its check the poll an approval is checked against may have begun (seconds).
 #: An approval decided before the agent's last poll began and arriving within a second of it is
@@ -202,44 +207,81 @@ class ApprovalHandler:
         await self._store.record_intent(
             approval.approval_id, event.event_id, event_version(event), approval.to_bytes()
         )
+        backoff = Backoff(0.2, 2.0)
         unanswered: list[ImdsError] = []
-
-        def failed(exc: ImdsError) -> None:
-            self._metrics.imds_errors.labels(exc.kind).inc()
-            if exc.unanswered:
-                unanswered.append(exc)
-
-        try:
-            await with_retries(
-                lambda: self._imds.start_events([approval.event_id]),
-                what=f"POST StartRequests {approval.event_id}",
-                backoff=Backoff(0.2, 2.0),
-                attempts=3,
-                on_error=failed,
-            )
-        except ImdsError as exc:
-            if not unanswered:
-                await self._report(
-                    approval, event, ApprovalRejected(RejectReason.IMDS_REFUSED, str(exc))
+        attempt = 1
+        while True:
+            try:
+                await self._imds.start_events([approval.event_id])
+                break
+            except ImdsError as exc:
+                failed_at = time.monotonic()
+                self._metrics.imds_errors.labels(exc.kind).inc()
+                if exc.unanswered:
+                    unanswered.append(exc)
+                if exc.kind not in RETRYABLE_KINDS or attempt >= POST_ATTEMPTS:
+                    refused = ApprovalRejected(RejectReason.IMDS_REFUSED, str(exc))
+                    await self._not_posted(approval, event, refused, unanswered)
+                    return
+                delay = backoff.next()
+                log.warning(
+                    "approval %s: POST StartRequests %s failed (%s); in %.2f s the event is "
+                    "looked at again on a new poll, and POSTed again only if it may still be "
+                    "(attempt %d of %d)",
+                    approval.approval_id,
+                    approval.event_id,
+                    exc,
+                    delay,
+                    attempt,
+                    POST_ATTEMPTS,
                 )
-                return
-            # A POST that went out unanswered may have been taken: the event may start. It is
-            # not reported applied (the approver tries again, and a second POST is a no-op),
-            # but it counts as started here: polled fast, and, gone unseen, ``completed``.
-            self._on_applied(approval.event_id)
-            await self._report(
-                approval,
-                event,
-                ApprovalRejected(
-                    RejectReason.IMDS_REFUSED,
-                    f"{exc}; IMDS may have taken an earlier POST whose answer was lost "
-                    f"({unanswered[0]}), so the event may start",
-                ),
-                maybe_started=True,
-            )
-            return
+                await asyncio.sleep(delay)
+                try:
+                    event = await self._check_again(approval, failed_at)
+                except ApprovalRejected as rejected:
+                    retry = ApprovalRejected(
+                        rejected.reason,
+                        f"{rejected.detail} (seen before retrying a POST that failed: {exc})",
+                    )
+                    await self._not_posted(approval, None, retry, unanswered)
+                    return
+                except ImdsError as looked:
+                    refused = ApprovalRejected(
+                        RejectReason.IMDS_REFUSED,
+                        f"{exc}; then IMDS could not be asked about the event before a retry "
+                        f"({looked})",
+                    )
+                    await self._not_posted(approval, event, refused, unanswered)
+                    return
+                attempt += 1
         self._on_applied(approval.event_id)
         await self._report(approval, event, None, repeat=repeat)
+
+    async def _not_posted(
+        self,
+        approval: Approval,
+        event: ScheduledEvent | None,
+        rejected: ApprovalRejected,
+        unanswered: list[ImdsError],
+    ) -> None:
+        """Report an approval whose POST failed, or was not retried, as ``rejected``. When an
+        earlier POST went out unanswered, IMDS may have taken it: the event may start. It is
+        not reported applied (the approver tries again, and a second POST is a no-op), but it
+        counts as started here: polled fast, and, gone unseen, ``completed``."""
+        if not unanswered:
+            await self._report(approval, event, rejected)
+            return
+        self._on_applied(approval.event_id)
+        await self._report(
+            approval,
+            event,
+            ApprovalRejected(
+                rejected.reason,
+                f"{rejected.detail}; IMDS may have taken an earlier POST whose answer was lost "
+                f"({unanswered[0]}), so the event may start",
+            ),
+            maybe_started=True,
+        )
 
     def _repeat(self, approval: Approval, earlier: str | None) -> str | None:
         """Why this may not be the first time the event was approved here (``earlier``: the
@@ -391,6 +433,15 @@ class ApprovalHandler:
         document = await self._document(
             time.monotonic() - min(DOCUMENT_MAX_AGE, max(0.0, decided_ago))
         )
+        return self._check_in(document, approval)
+
+    async def _check_again(self, approval: Approval, failed_at: float) -> ScheduledEvent:
+        """Before a POST is retried: every check again, the event's on a poll begun after the
+        failed POST (``failed_at``, monotonic) and within ``DOCUMENT_MAX_AGE``. Azure may have
+        changed the event, or started it, since the last look: a retry on that look would
+        start a version the approver never judged."""
+        self._verify(approval)
+        document = await self._document(max(failed_at, time.monotonic() - DOCUMENT_MAX_AGE))
         return self._check_in(document, approval)
 
     def _check_in(self, document: ScheduledEventsDocument, approval: Approval) -> ScheduledEvent:

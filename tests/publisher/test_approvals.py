@@ -397,8 +397,10 @@ async def test_an_event_whose_post_went_unanswered_is_reported_completed_when_it
         run_seconds=1,
         poll_interval=4.0,
         fast_poll_seconds=0.0,
-        # each POST is taken 1.5 s late, after the agent's 0.5 s timeout
-        post_fault=FaultSpec(vm="web-7", method="POST", delay_seconds=1.5, times=10),
+        # each POST is taken 3 s late, after the agent's 0.5 s timeout, and after the look at
+        # the event before its last retry (about 1.7 s after the first POST): no poll sees it
+        # start
+        post_fault=FaultSpec(vm="web-7", method="POST", delay_seconds=3.0, times=10),
         imds_timeout=0.5,
     )
     assert state is EventState.COMPLETED
@@ -576,3 +578,43 @@ async def test_an_intent_whose_post_may_not_have_gone_out_is_posted_at_start_onl
 
 def _posts_to(sim: Simulator, vm: str) -> list[str]:
     return [r.path for r in sim.requests(vm=vm) if r.method == "POST"]
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["unchanged", "changed"])
+async def test_a_post_is_retried_only_on_a_new_look_at_the_event(
+    tmp_path: Path, changed: bool
+) -> None:
+    """IMDS answers 503 to the POST (not taken); before the retry the agent looks at the event
+    again, on a poll begun after the failure: unchanged, it POSTs again and the approval is
+    applied; changed by Azure in between (a 10-minute Reboot instead of a 30 s one), the retry
+    is not made and the approval is refused ``event-changed``, as it would be had it arrived
+    then. Before, the retry started the changed event, which the approver never judged."""
+    broker = Broker(f"memory://retry-{uuid.uuid4().hex[:6]}", _channels("retry"), "memory")
+    spec = EventSpec(
+        event_type=EventType.REBOOT,
+        resources=["web-7"],
+        not_before_seconds=900,
+        duration_in_seconds=30,
+    )
+    web7 = _web7(broker, tmp_path, spec)
+    async with web7 as (sim, rec, event, key, settings), running(settings):
+        await rec.wait_kind(MessageType.SCHEDULED, within=15)
+        approval = signed_approval(sim, event.event_id, "web-7", key)
+        sim.add_fault(FaultSpec(vm="web-7", method="POST", status=503, times=1))
+        await _send(broker, approval)
+        async with asyncio.timeout(10):
+            while not _posts_to(sim, "web-7"):  # noqa: ASYNC110 - the simulator's log
+                await asyncio.sleep(0.005)
+        if changed:
+            sim.update_event(event.event_id, duration_in_seconds=600)
+        outcome = await _outcome(rec, approval.approval_id)
+    requests = [r.method for r in sim.requests(vm="web-7")]
+    after_failure = requests[requests.index("POST") + 1 :]
+    if changed:
+        assert outcome.data.reason == RejectReason.EVENT_CHANGED.value
+        assert [a.vm for a in sim.get_event(event.event_id).approvals] == []
+        assert "POST" not in after_failure
+    else:
+        assert outcome.data.applied
+        assert [a.vm for a in sim.get_event(event.event_id).approvals] == ["web-7"]
+        assert "GET" in after_failure[: after_failure.index("POST")]
