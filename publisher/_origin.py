@@ -12,6 +12,7 @@ import asyncio
 import base64
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,34 +33,84 @@ log = logging.getLogger(__name__)
 KEY_FILE = "origin.key"
 #: How often the attestation is asked again (Azure's lasts six hours).
 REFRESH_SECONDS = 3600.0
+#: The most of ``origin.key`` read, as of a trust key: a PEM Ed25519 key is 119 bytes, and a
+#: larger file (or a device that never ends) is refused unread.
+MAX_KEY_FILE = 64 * 1024
 
 
 def load_origin_key(state_dir: Path | None) -> Ed25519PrivateKey:
     """The VM's origin key: read from the state dir, created there the first time (in memory
     only without a state dir). Only an agent that signs (Service Bus) loads cryptography."""
+    from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     if state_dir is None:
         return Ed25519PrivateKey.generate()
     path = state_dir / KEY_FILE
-    if path.exists():
+    # A new key is harmless: consumers take any key Azure attests for the VM.
+    aside = "move it aside: the agent then makes a new key"
+    if os.path.lexists(path):  # a link that leads nowhere is there too: read, and refused
+        pem = _read_key_file(path, aside)
         try:
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        except (OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"state_dir: {path} is not a usable origin key ({exc})") from exc
+            key = serialization.load_pem_private_key(pem, password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(
+                f"state_dir: {path} is not a usable origin key ({why}); {aside}"
+            ) from exc
         if not isinstance(key, Ed25519PrivateKey):
-            raise ConfigError(f"state_dir: {path} is not an Ed25519 key")
+            raise ConfigError(f"state_dir: {path} is not an Ed25519 key; {aside}")
         return key
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(pem)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(pem)
+            handle.flush()
+            os.fsync(handle.fileno())  # a key torn by a power loss stops every later start
+    except OSError as exc:
+        raise ConfigError(
+            f"state_dir: cannot create the origin key {path}: {exc.strerror or exc}"
+        ) from exc
     log.info("created the VM's origin key %s", path)
     return key
+
+
+def _read_key_file(path: Path, aside: str) -> bytes:
+    """The bytes of ``origin.key``: from a regular file only (a link to one is fine: a secret
+    mounted by Kubernetes is one), opened without blocking (a FIFO held the start) and read at
+    most :data:`MAX_KEY_FILE` bytes (a link to ``/dev/zero`` was read until memory ran out)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(
+            f"state_dir: {path}: cannot read the origin key ({exc.strerror or exc}); {aside}"
+        ) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise ConfigError(f"state_dir: {path} is not a regular file: no origin key; {aside}")
+        data = b""
+        while len(data) <= MAX_KEY_FILE:
+            chunk = os.read(descriptor, MAX_KEY_FILE + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as exc:
+        raise ConfigError(
+            f"state_dir: {path}: cannot read the origin key ({exc.strerror or exc}); {aside}"
+        ) from exc
+    finally:
+        os.close(descriptor)
+    if len(data) > MAX_KEY_FILE:
+        raise ConfigError(
+            f"state_dir: {path} is larger than {MAX_KEY_FILE // 1024} KiB: no origin key (one is "
+            f"119 bytes); {aside}"
+        )
+    return data
 
 
 class OriginSigner:
