@@ -22,7 +22,13 @@ it holds, and only that VM's IMDS signs it.
 
 Azure's attested document names the VM by ``vmId``, not by name; the name in a message is bound to
 the vmId the first time they are seen together (trust on first use, for the process) unless the
-operator gives an inventory (``name,vmId`` lines) that decides it.
+operator gives an inventory (``name,vmId`` lines) that decides it. A VM has one name, so the
+binding holds both ways: a vmId speaks for the one name it first signed a valid message as (or
+the inventory gives it). A VM with a genuine attestation of its own can so take at most one name
+from its real VM, and only one no message claimed before it (only an inventory prevents that):
+not every name it cares to invent. Without an inventory at most :data:`_MAX_PINNED` names are
+bound; a new name past that is refused (forgetting an old binding would let any VM take that
+name next).
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ ATTESTATION = "origin-attestation"
 #: written just before the agent refreshed its attestation and published just after).
 _SKEW = timedelta(minutes=10)
 _CACHE = 20_000
+#: The most VM names bound to a vmId by first use (without an inventory): more than a fleet
+#: one consumer serves, each a few hundred bytes. Past it a new name is refused.
+_MAX_PINNED = 100_000
 #: The longest attestation taken, in characters. Azure's is a few KiB (the signed document and
 #: the signing certificate): a longer one is refused before it is decoded, parsed or cached.
 _MAX_ATTESTATION = 64 * 1024
@@ -267,10 +276,16 @@ class OriginVerifier:
     ) -> None:
         self._trusted = trusted
         self._inventory = {k.casefold(): v.casefold() for k, v in (inventory or {}).items()}
+        #: The names the inventory gives each vmId it names.
+        self._inventory_names: dict[str, set[str]] = {}
+        for name, vm_id in self._inventory.items():
+            self._inventory_names.setdefault(vm_id, set()).add(name)
         self._subscriptions = (
             None if subscriptions is None else {s.casefold() for s in subscriptions}
         )
+        #: name -> vmId and vmId -> name, bound by first use (names the inventory leaves out).
         self._pinned: dict[str, str] = {}
+        self._pinned_names: dict[str, str] = {}
         self._attested: OrderedDict[str, Attested] = OrderedDict()
 
     @classmethod
@@ -417,16 +432,48 @@ class OriginVerifier:
             raise OriginRejected(f"subscription {attested.subscription_id} is not trusted")
         if not (attested.created - _SKEW <= written <= attested.expires + _SKEW):
             raise OriginRejected("the message was written outside its attestation's validity")
-        name = vm_name.casefold()
-        expected = self._inventory.get(name) or self._pinned.setdefault(name, vm_id.casefold())
-        if expected != vm_id.casefold():
-            raise OriginRejected(
-                f"VM {vm_name} is vmId {expected}, not {vm_id}"
-                + ("" if name in self._inventory else " (the first one seen by this process)")
-            )
+        name, claimed = vm_name.casefold(), vm_id.casefold()
+        self._check_binding(name, claimed, vm_name, vm_id)
         try:
             Ed25519PublicKey.from_public_bytes(key).verify(signature, body)
         except (InvalidSignature, ValueError) as exc:
             raise OriginRejected(
                 "the body's signature does not verify with the origin key"
             ) from exc
+        # Bound only now, by a message that holds whole: a key and attestation copied from
+        # another VM's message, without that key's signature, bind nothing.
+        if name not in self._inventory and name not in self._pinned:
+            self._pinned[name] = claimed
+            self._pinned_names[claimed] = name
+
+    def _check_binding(self, name: str, claimed: str, vm_name: str, vm_id: str) -> None:
+        """Raise :class:`OriginRejected` unless the name ``vm_name`` and ``vm_id`` may go
+        together: the name is bound to no other vmId, and the vmId to no other name (by the
+        inventory, or by first use)."""
+        expected = self._inventory.get(name)
+        if expected is None:
+            expected = self._pinned.get(name)
+        if expected is not None and expected != claimed:
+            raise OriginRejected(
+                f"VM {vm_name} is vmId {expected}, not {vm_id}"
+                + ("" if name in self._inventory else " (the first one seen by this process)")
+            )
+        listed = self._inventory_names.get(claimed)
+        if listed is not None and name not in listed:
+            raise OriginRejected(
+                f"vmId {vm_id} is VM {', '.join(sorted(listed))} in the inventory, not {vm_name}"
+            )
+        if name in self._inventory:
+            return
+        own = self._pinned_names.get(claimed)
+        if own is not None and own != name:
+            raise OriginRejected(
+                f"vmId {vm_id} is VM {own}, not {vm_name} (the name it first signed as in this "
+                "process: a VM has one name)"
+            )
+        if expected is None and len(self._pinned) >= _MAX_PINNED:
+            raise OriginRejected(
+                f"VM {vm_name} is new, and {_MAX_PINNED} names are bound to a vmId by first use "
+                "already, the most this process keeps: give the consumers an inventory "
+                "(--vm-inventory) that names the fleet's VMs"
+            )
