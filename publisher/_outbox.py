@@ -132,7 +132,11 @@ class OutboxPublisher:
             await self._set_aside(row, "refused", f"{len(outgoing.body)} bytes is over the limit")
             return True
         try:
-            await asyncio.wait_for(self._transport.publish(outgoing), self._timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result and drops
+            # a cancel that arrives as the publish completes, and the publisher, cancelled by a
+            # stop or by another part of the agent failing, went back to waiting for work.
+            async with asyncio.timeout(self._timeout):
+                await self._transport.publish(outgoing)
         except MessageRefused as exc:
             await self._set_aside(row, "refused", str(exc))
             return True
