@@ -5,7 +5,9 @@ One :class:`asyncio.TaskGroup` holds the parts: the broker connection, the outbo
 approvals consumer (:mod:`._approvals`), the heartbeat, the hooks (:mod:`._hooks`) and the
 metrics server. ``stop()`` (or SIGTERM/SIGINT in CLI mode) stops polling and approvals, queues
 ``agent.offline``, drains the outbox within ``drain_timeout`` and returns; what could not be
-sent stays in the state store for the next run.
+sent stays in the state store for the next run. A part that fails ends the agent: the others
+are cancelled until they end, as at a stop, and ``run()`` raises the failure (for systemd to
+start it again), never hangs.
 
 ``/healthz`` tells the truth: 503, with the reason, once the broker has been unreachable or
 IMDS failing for longer than ``health_grace``; the live outbox depth, the age of its oldest
@@ -360,23 +362,39 @@ class Agent:
             ]
             if signer is not None:
                 workers.append(tg.create_task(signer.run(), name="agent-origin"))
-            await self._stop.wait()
-            await _cancel_all(workers)
-            await self._commit_agent_message(
-                store, MessageType.AGENT_OFFLINE, identity, reply_to, reason=self._stop_reason
-            )
-            outbox.notify()
-            drained = await outbox.drain(settings.drain_timeout)
-            if drained:
-                log.info("outbox drained; offline")
-            else:
-                log.warning(
-                    "outbox not drained within %.1f s: %d message(s) kept for the next start",
-                    settings.drain_timeout,
-                    await store.depth(),
+            try:
+                await self._stop.wait()
+                await _cancel_all(workers)
+                await self._commit_agent_message(
+                    store, MessageType.AGENT_OFFLINE, identity, reply_to, reason=self._stop_reason
                 )
-            publisher.cancel()
-            connector.cancel()
+                outbox.notify()
+                drained = await outbox.drain(settings.drain_timeout)
+                if drained:
+                    log.info("outbox drained; offline")
+                else:
+                    log.warning(
+                        "outbox not drained within %.1f s: %d message(s) kept for the next start",
+                        settings.drain_timeout,
+                        await store.depth(),
+                    )
+                await _cancel_all([publisher, connector])
+            except asyncio.CancelledError:
+                # A part failed (the group cancels the others, and this, once) or run() itself
+                # was cancelled. The group then waits for every task: one that lost its cancel
+                # (a library that turns it into a link error, retried) would hold it, and run(),
+                # for ever, neither working nor exiting for a supervisor to restart. Cancelled
+                # until they end, as at a stop; then the failure goes on out of run().
+                tasks = [connector, publisher, *workers]
+                for task in tasks:
+                    if task.done() and not task.cancelled() and task.exception() is not None:
+                        log.error(
+                            "%s failed (%r): stopping the other parts; the agent exits",
+                            task.get_name(),
+                            task.exception(),
+                        )
+                await _cancel_all(tasks)
+                raise
 
     def _watch(
         self,

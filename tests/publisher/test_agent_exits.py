@@ -11,7 +11,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 
+import pytest
+
+from publisher import Agent
+from publisher._hooks import HookRunner
 from publisher._observability import Metrics
 from publisher._outbox import OutboxPublisher
 from publisher._state import StateStore
@@ -20,10 +25,13 @@ from schemas import (
     AgentMessage,
     MessageType,
     ReplyAddress,
+    TransportError,
     VmIdentity,
 )
 from schemas.channels import ChannelNames
 from schemas.transport import MemoryTransport, OutgoingMessage
+
+from .harness import settings_for, simulator_server
 
 
 def _heartbeat() -> AgentMessage:
@@ -64,3 +72,54 @@ async def test_a_cancel_that_comes_as_a_publish_completes_stops_the_publisher() 
             task.cancel()
         await transport.close()
         await store.close()
+
+
+async def test_a_failed_part_ends_the_agent_even_when_another_disguises_its_cancel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One part of the agent (here the hook runner) fails while another (here the broker
+    library under the outbox) turns its cancel into a link error, which the outbox takes for a
+    failed publish and retries: the agent cancels what is left until it ends, as it does at a
+    stop, and ``run()`` raises the failure."""
+    unique = uuid.uuid4().hex[:8]
+    publishing = asyncio.Event()
+
+    class DisguisesItsCancel(MemoryTransport):
+        disguised = False
+
+        async def publish(self, message: OutgoingMessage) -> None:
+            publishing.set()
+            try:
+                await asyncio.Event().wait()  # a confirm that does not come
+            except asyncio.CancelledError as exc:
+                if self.disguised:
+                    raise
+                self.disguised = True  # the first cancel only
+                raise TransportError("channel closed: CHANNEL_ERROR") from exc
+
+    async def fails(self: HookRunner) -> None:
+        await publishing.wait()
+        raise RuntimeError("a part of the agent failed")
+
+    monkeypatch.setattr(HookRunner, "run", fails)
+    channels = ChannelNames().suffixed(unique)
+    transport = DisguisesItsCancel(unique, channels)
+    async with simulator_server("web-7") as server:
+        settings = settings_for(
+            server, "web-7", f"memory://{unique}", channels, tmp_path, publish_timeout=60.0
+        )
+        task = asyncio.create_task(Agent(settings, transport=transport).run())
+        done, _ = await asyncio.wait({task}, timeout=10)
+        for _ in range(5):  # the test's own clean-up when the agent hangs
+            if task.done():
+                break
+            for left in asyncio.all_tasks():
+                if left.get_name().startswith("agent-") or left is task:
+                    left.cancel()
+            await asyncio.wait({task}, timeout=1)
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: the assertions below say what it is
+        assert done, "Agent.run neither works nor returns after one of its parts failed"
+        with pytest.raises(ExceptionGroup) as caught:
+            task.result()
+        assert caught.group_contains(RuntimeError, match="a part of the agent failed")
