@@ -22,6 +22,7 @@ closed by the server before it answered a byte. Deadlines are the caller's
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ _MAX_IDLE = 2
 #: The longest status line plus headers taken (asyncio's stream limit).
 _HEAD_LIMIT = 64 * 1024
 _NO_BODY = frozenset({204, 304})
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
 class HttpError(Exception):
@@ -172,6 +174,15 @@ class HttpClient:
             if keep and "content-length" not in headers and "chunked" not in _codings(headers):
                 keep = False  # read to the close
             return Response(status, headers, content)
+        except (HttpError, _ClosedBeforeAnswer):
+            keep = False
+            raise
+        except Exception as exc:
+            # Anything else the answer's bytes make its parsing raise is that request failing
+            # (the caller's HttpError), never an error its caller does not expect: one bad
+            # answer from IMDS ended the agent (int("²00") raised ValueError).
+            keep = False
+            raise HttpError(f"the answer cannot be read: {exc!r}") from exc
         except BaseException:
             keep = False
             raise
@@ -186,11 +197,16 @@ class _ClosedBeforeAnswer(Exception):
     """A kept connection the server had closed: nothing was answered, the request may go again."""
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes "²" or "٣", which int() may refuse."""
+    return text.isascii() and text.isdigit()
+
+
 def _parse_head(head: bytes) -> tuple[int, dict[str, str], bool]:
     lines = head.decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
-    code = rest[:3]
-    if not version.startswith("HTTP/1.") or not code.isdigit():
+    code = rest.partition(" ")[0]
+    if not version.startswith("HTTP/1.") or len(code) != 3 or not _digits(code):
         raise HttpError(f"not an HTTP/1.x answer: {lines[0][:100]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -218,7 +234,7 @@ async def _read_body(
         return await _read_chunked(reader, status, max_body)
     declared = headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not _digits(declared):
             raise HttpError(f"Content-Length {declared[:40]!r} is not a number")
         size = int(declared)
         if size > max_body:
@@ -239,7 +255,10 @@ async def _read_chunked(reader: asyncio.StreamReader, status: int, max_body: int
     total = 0
     while True:
         line = await reader.readuntil(b"\r\n")
-        size = int(line.split(b";", 1)[0].strip(), 16)  # ValueError when malformed
+        declared = line.split(b";", 1)[0].strip()
+        if _CHUNK_SIZE.fullmatch(declared) is None:  # int(, 16) also takes "+1_0" or "0x10"
+            raise HttpError(f"chunk size {declared[:40]!r} is not a hexadecimal number")
+        size = int(declared, 16)
         if size == 0:
             while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
                 pass
