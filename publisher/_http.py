@@ -10,8 +10,11 @@ What it does: ``Content-Length``, ``chunked`` and read-to-close bodies; a body o
 ``max_body`` refused as it arrives (:class:`BodyTooLarge`); a connection kept for the next
 request only after a complete answer that does not say ``Connection: close``, and thrown away
 after any failure or cancellation (so a deadline that cuts a request off never leaves a
-half-read answer for the next one); one retry on a fresh connection when a kept one turns out
-closed by the server before it answered a byte. Deadlines are the caller's
+half-read answer for the next one). A request is sent once: a kept connection found closed
+before anything is written is not used, but one that drops after the request went out fails
+the request (:class:`HttpError`, not :class:`ConnectFailed`: it may have been taken), and the
+caller asks again through its limiter: IMDS's 5 requests a second are shared by every client on
+the VM, and a POST that IMDS read may have started an event. Deadlines are the caller's
 (``asyncio.timeout`` around :meth:`HttpClient.request`).
 
 >>> client = HttpClient("http://169.254.169.254", headers={"Metadata": "true"})
@@ -43,7 +46,8 @@ class HttpError(Exception):
 
 
 class ConnectFailed(HttpError):
-    """No connection could be opened: the request never went out."""
+    """No connection could be opened: the request never went out. Any other HttpError may
+    come after the request reached the server."""
 
 
 class BodyTooLarge(HttpError):
@@ -139,17 +143,11 @@ class HttpClient:
         if body is not None or method in ("POST", "PUT"):
             head += f"Content-Length: {len(body or b'')}\r\n"
         raw = head.encode("latin-1") + b"\r\n" + (body or b"")
-        connection = self._take()
-        if connection is not None:
-            try:
-                return await self._exchange(connection, raw, max_body)
-            except _ClosedBeforeAnswer:
-                pass  # the server let the kept connection go: once more, on a new one
-        connection = await self._connect()
-        try:
-            return await self._exchange(connection, raw, max_body)
-        except _ClosedBeforeAnswer as exc:
-            raise HttpError(f"{self.host}:{self.port} closed the connection: {exc}") from None
+        # Never sent twice: the server may have read (and acted on) a request on a connection
+        # it then dropped, and a second send would be a request its caller's limiter never
+        # counted. Only a connection known closed before anything is written is passed over.
+        connection = self._take() or await self._connect()
+        return await self._exchange(connection, raw, max_body)
 
     async def _exchange(self, connection: _Connection, raw: bytes, max_body: int) -> Response:
         reused, connection.used = connection.used, True
@@ -159,9 +157,8 @@ class HttpClient:
                 connection.writer.write(raw)
                 head = await connection.reader.readuntil(b"\r\n\r\n")
             except (ConnectionError, asyncio.IncompleteReadError) as exc:
-                if reused and not getattr(exc, "partial", b""):
-                    raise _ClosedBeforeAnswer(str(exc) or type(exc).__name__) from exc
-                raise HttpError(f"the connection failed: {exc!r}") from exc
+                kept = " (a kept connection: the server may have let it go)" if reused else ""
+                raise HttpError(f"the connection dropped before an answer{kept}: {exc!r}") from exc
             except asyncio.LimitOverrunError as exc:
                 raise HttpError(f"the answer's headers exceed {_HEAD_LIMIT} bytes") from exc
             status, headers, keep = _parse_head(head)
@@ -174,7 +171,7 @@ class HttpClient:
             if keep and "content-length" not in headers and "chunked" not in _codings(headers):
                 keep = False  # read to the close
             return Response(status, headers, content)
-        except (HttpError, _ClosedBeforeAnswer):
+        except HttpError:
             keep = False
             raise
         except Exception as exc:
@@ -191,10 +188,6 @@ class HttpClient:
                 self._idle.append(connection)
             else:
                 connection.close()
-
-
-class _ClosedBeforeAnswer(Exception):
-    """A kept connection the server had closed: nothing was answered, the request may go again."""
 
 
 def _digits(text: str) -> bool:

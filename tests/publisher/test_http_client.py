@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 
 import pytest
@@ -89,3 +90,80 @@ async def test_a_garbled_status_line_is_a_failed_poll_and_the_agent_goes_on() ->
         finally:
             agent.stop("test over")
             await asyncio.wait({task}, timeout=10)
+
+
+async def test_every_request_imds_receives_went_through_the_limiter() -> None:
+    """An IMDS that reads a request on a kept connection and drops it unanswered may have acted
+    on it: the client does not send it again behind the limiter's back (before, IMDS received
+    4 requests in one second against the agent's budget of 2). The poll fails; the next one,
+    through the limiter, goes on a new connection."""
+    received: list[float] = []
+
+    async def answer_first_then_drop(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        # Answers the first request of each connection and keeps it; reads the next one and
+        # drops the connection without a byte of answer.
+        await read_request(reader)
+        received.append(time.monotonic())
+        writer.write(ok(DOCUMENT))
+        await writer.drain()
+        try:
+            await read_request(reader)
+            received.append(time.monotonic())
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    sent: list[str] = []
+    failed: list[ImdsError] = []
+    async with raw_server(answer_first_then_drop) as port:
+        client = ImdsClient(
+            f"http://127.0.0.1:{port}", timeout=2, first_timeout=2, on_request=sent.append
+        )
+        try:
+            began = time.monotonic()
+            while time.monotonic() - began < 3.0:
+                try:
+                    await client.scheduled_events()
+                except ImdsError as exc:
+                    failed.append(exc)
+        finally:
+            await client.aclose()
+    peak = max(sum(1 for t in received if s <= t < s + 1.0) for s in received)
+    assert len(received) == len(sent), f"IMDS received {len(received)}, the limiter let {sent}"
+    assert peak <= 2, f"IMDS received {peak} requests in one second"
+    assert failed, "no request was dropped"
+    assert all(exc.unanswered for exc in failed)  # they may have been taken
+
+
+async def test_a_post_imds_received_and_dropped_on_a_kept_connection_may_have_started() -> None:
+    """A POST StartRequests that went out whole on a kept connection and got no answer may have
+    started the event, even when IMDS takes no new connection after (before, the client sent
+    it again, the new connection was refused, and the POST was reported as never sent)."""
+    posts: list[bytes] = []
+    servers: list[asyncio.Server] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)  # the GET: answered, the connection kept
+        writer.write(ok(DOCUMENT))
+        await writer.drain()
+        servers[0].close()  # IMDS goes away for new connections
+        _, body = await read_request(reader)  # the POST arrives whole...
+        posts.append(body)
+        writer.close()  # ...and the connection drops before any answer
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    servers.append(server)
+    port = server.sockets[0].getsockname()[1]
+    client = ImdsClient(f"http://127.0.0.1:{port}", timeout=2, first_timeout=2)
+    try:
+        await client.scheduled_events()
+        with pytest.raises(ImdsError) as caught:
+            await client.start_events(["E1"])
+    finally:
+        await client.aclose()
+        server.close()
+    assert len(posts) == 1
+    assert b"StartRequests" in posts[0]
+    assert caught.value.unanswered, f"a POST IMDS received is reported never sent: {caught.value}"
