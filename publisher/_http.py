@@ -42,7 +42,15 @@ _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
 class HttpError(Exception):
-    """The connection failed or the answer is not HTTP/1.x (refused, reset, malformed)."""
+    """The connection failed or the answer is not HTTP/1.x (refused, reset, malformed).
+
+    ``status``: the answer's status code when its head was read and its body then failed (too
+    large, malformed, cut off), None otherwise: a POST's 2xx says it was taken, whatever follows.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ConnectFailed(HttpError):
@@ -54,8 +62,7 @@ class BodyTooLarge(HttpError):
     """The answer's body is larger than the caller takes."""
 
     def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +159,7 @@ class HttpClient:
     async def _exchange(self, connection: _Connection, raw: bytes, max_body: int) -> Response:
         reused, connection.used = connection.used, True
         keep = False
+        status: int | None = None
         try:
             try:
                 connection.writer.write(raw)
@@ -165,21 +173,23 @@ class HttpClient:
             try:
                 content = await _read_body(connection.reader, status, headers, max_body)
             except (ConnectionError, asyncio.IncompleteReadError) as exc:
-                raise HttpError(f"the connection failed while reading: {exc!r}") from exc
+                raise HttpError(f"the connection failed while reading: {exc!r}", status) from exc
             except (asyncio.LimitOverrunError, ValueError) as exc:
-                raise HttpError(f"the answer's body is malformed: {exc}") from exc
+                raise HttpError(f"the answer's body is malformed: {exc}", status) from exc
             if keep and "content-length" not in headers and "chunked" not in _codings(headers):
                 keep = False  # read to the close
             return Response(status, headers, content)
-        except HttpError:
+        except HttpError as exc:
             keep = False
+            if exc.status is None:
+                exc.status = status  # the head was read: its status goes with the failure
             raise
         except Exception as exc:
             # Anything else the answer's bytes make its parsing raise is that request failing
             # (the caller's HttpError), never an error its caller does not expect: one bad
             # answer from IMDS ended the agent (int("²00") raised ValueError).
             keep = False
-            raise HttpError(f"the answer cannot be read: {exc!r}") from exc
+            raise HttpError(f"the answer cannot be read: {exc!r}", status) from exc
         except BaseException:
             keep = False
             raise

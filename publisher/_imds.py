@@ -9,7 +9,9 @@ empty event list.
 IMDS cannot stall or swell the agent: every request has an overall ``deadline`` (connect, send,
 every byte of the answer: a server dripping one byte every two seconds fails at the deadline,
 not after the sum of per-read timeouts), and an answer larger than ``max_body`` bytes is refused
-as it arrives (a document with thousands of events is well under the default 1 MiB).
+as it arrives (a document with thousands of events is well under the default 1 MiB). A POST
+answered with any 2xx was taken, whatever body comes with it (too large, malformed): the agent
+reads none of it.
 
 >>> async with ImdsClient("http://169.254.169.254") as imds:     # doctest: +SKIP
 ...     document = await imds.scheduled_events()
@@ -153,9 +155,17 @@ class ImdsClient:
             raise ImdsError(
                 f"{what} took more than {deadline:g} s", kind="timeout", unanswered=True
             ) from exc
-        except BodyTooLarge as exc:
-            raise ImdsError(f"{what} {exc}: refused", status=exc.status, kind="too-large") from exc
         except HttpError as exc:
+            if method == "POST" and exc.status is not None and 200 <= exc.status < 300:
+                # IMDS took the POST: its status says so. The body that came with it (never
+                # read: too large, malformed, cut off) changes nothing; before, a 200 with a
+                # large body was a failure, POSTed again and reported refused.
+                log.warning("%s answered %d; its body is not read (%s)", what, exc.status, exc)
+                return b""
+            if isinstance(exc, BodyTooLarge):
+                raise ImdsError(
+                    f"{what} {exc}: refused", status=exc.status, kind="too-large"
+                ) from exc
             raise ImdsError(
                 f"{what} failed: {exc}",
                 kind="connection",
@@ -164,6 +174,8 @@ class ImdsClient:
         status, content = response.status, response.body
         if status == 429:
             self.limiter.throttled()
+        if method == "POST" and 200 <= status < 300:
+            return content  # taken (any 2xx: its body is nothing the agent reads)
         if status != 200:
             kind = _kind_of_status(status)
             error = ImdsThrottled if kind == "throttled" else ImdsError

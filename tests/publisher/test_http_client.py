@@ -12,8 +12,9 @@ import uuid
 import pytest
 
 from publisher import Agent, AgentSettings
-from publisher._imds import ImdsClient
+from publisher._imds import ImdsClient, with_retries
 from schemas import ImdsError
+from schemas._backoff import Backoff
 from schemas.channels import ChannelNames
 
 from .rawimds import ok, raw_server, read_request
@@ -167,3 +168,59 @@ async def test_a_post_imds_received_and_dropped_on_a_kept_connection_may_have_st
     assert len(posts) == 1
     assert b"StartRequests" in posts[0]
     assert caught.value.unanswered, f"a POST IMDS received is reported never sent: {caught.value}"
+
+
+#: 2xx answers to a POST whose body the agent cannot or will not read.
+TAKEN = {
+    "200-large": b"HTTP/1.1 200 OK\r\nContent-Length: 2000000\r\n\r\n" + b" " * 2_000_000,
+    "200-large-chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + (b"10000\r\n" + b" " * 0x10000 + b"\r\n") * 20
+    + b"0\r\n\r\n",
+    "200-large-to-close": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b" " * 2_000_000,
+    "200-garbled-chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "202-empty": b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n",
+    "204": b"HTTP/1.1 204 No Content\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("answer", list(TAKEN.values()), ids=list(TAKEN))
+async def test_a_post_answered_2xx_is_taken_whatever_its_body(answer: bytes) -> None:
+    """A POST StartRequests that IMDS answers with a 2xx was taken, whatever the body that comes
+    with it (the agent reads no more of it than it takes of any answer). Before, a 200 with a
+    body over the 1 MiB the agent reads was a failure (too-large): POSTed twice more, all
+    answered 200, and the approval reported imds-refused."""
+    posts = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal posts
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            posts += 1
+            writer.write(answer)
+            try:
+                await writer.drain()
+            except ConnectionError:
+                break
+            if b"close" in answer:
+                break
+        writer.close()
+
+    errors: list[ImdsError] = []
+    async with raw_server(handler) as port:
+        client = ImdsClient(f"http://127.0.0.1:{port}", timeout=3, first_timeout=3)
+        try:
+            # as ApprovalHandler._apply calls it
+            await with_retries(
+                lambda: client.start_events(["E1"]),
+                what="POST StartRequests",
+                backoff=Backoff(0.01, 0.02),
+                attempts=3,
+                on_error=errors.append,
+            )
+        finally:
+            await client.aclose()
+    assert not errors, [(e.kind, e.status, str(e)) for e in errors]
+    assert posts == 1
