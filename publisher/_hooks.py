@@ -4,7 +4,9 @@ The command gets the event in environment variables (``EVENT_ID``, ``EVENT_TYPE`
 ``EVENT_STATUS``, ``NOT_BEFORE``, ``EVENT_RESOURCES``, ``EVENT_DESCRIPTION``,
 ``EVENT_SOURCE``, ``EVENT_DURATION``, ``TRANSITION``, ``PREVIOUS_STATUS``, ``VM_NAME``,
 ``HOOK_ATTEMPT``) and the whole transition message as JSON on stdin. It runs under a timeout
-(then it is killed). Hooks run one at a time, in the order of the transitions.
+(then it is killed). Hooks run one at a time, in the order of the transitions. A command that
+cannot start, for whatever reason, is that run's result (``not-started``), never the agent's
+end.
 
 Hook runs are durable (:class:`~publisher._state.StateStore`): queued in the same transaction as
 their transition, marked running before the command starts, removed when their result is in the
@@ -144,8 +146,6 @@ class HookRunner:
             await self._store.commit([], hook_done=run.run_id)
             return
         command = run.hook.partition("=")[2] or run.hook
-        argv = shlex.split(command)
-        env = {**os.environ, **hook_environment(message, self._identity.name, attempt)}
         await self._store.hook_started(run.run_id, attempt)
         started = time.monotonic()
         timed_out = False
@@ -153,15 +153,12 @@ class HookRunner:
         output = b""
         outcome = HookOutcome.FAILED
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-            )
-        except OSError as exc:
-            log.error("hook %r could not start: %s", command, exc)
+            process = await self._start(command, message, attempt)
+        except Exception as exc:
+            # A command that cannot be split (an unbalanced quote), names no program, holds a
+            # NUL, or that the OS refuses: this run's result, never the runner's end (the run
+            # is stored: it ended the agent, and every restart after, before).
+            log.error("hook %r could not start (%s): reported as not started", command, exc)
             output = f"could not start: {exc}".encode()
             outcome = HookOutcome.NOT_STARTED
         else:
@@ -190,6 +187,22 @@ class HookRunner:
             attempt,
         )
         await self._report(run, message, outcome, exit_code, timed_out, duration, output, attempt)
+
+    async def _start(
+        self, command: str, message: TransitionMessage, attempt: int
+    ) -> asyncio.subprocess.Process:
+        """The hook's process (without a shell: the command split as a shell would)."""
+        argv = shlex.split(command)  # ValueError: an unbalanced quote
+        if not argv:
+            raise ValueError("the command names no program to run")
+        env = {**os.environ, **hook_environment(message, self._identity.name, attempt)}
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+        )
 
     async def _report(
         self,
