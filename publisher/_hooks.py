@@ -18,6 +18,7 @@ to repeat), runs it again; a ``hooks_done`` policy never waits for a hook that w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shlex
@@ -63,6 +64,43 @@ def hook_environment(message: TransitionMessage, vm: str, attempt: int = 1) -> d
         "VM_NAME": vm,
         "HOOK_ATTEMPT": str(attempt),
     }
+
+
+async def _converse(process: asyncio.subprocess.Process, body: bytes, tail: bytearray) -> None:
+    """Write ``body`` to the hook's stdin while reading its output into ``tail`` (its last
+    :data:`_TAIL` bytes: a hook may write gigabytes, the agent holds no more than that), until
+    the hook has ended and its output is closed."""
+    feeder = asyncio.create_task(_feed(process, body))
+    try:
+        await _read_tail(process, tail)
+        await process.wait()
+        await feeder
+    finally:
+        feeder.cancel()  # cut off (the deadline, a stop): nothing more to write
+
+
+async def _feed(process: asyncio.subprocess.Process, body: bytes) -> None:
+    stdin = process.stdin
+    assert stdin is not None
+    try:
+        stdin.write(body)
+        await stdin.drain()
+    except OSError:  # a hook that does not read all its stdin: its business, not a failure
+        pass
+    finally:
+        stdin.close()
+
+
+async def _read_tail(process: asyncio.subprocess.Process, tail: bytearray) -> None:
+    """Read the hook's output to its end, a piece at a time, keeping the last bytes only."""
+    stdout = process.stdout
+    assert stdout is not None
+    while chunk := await stdout.read(65536):
+        if len(chunk) >= _TAIL:
+            tail[:] = chunk[-_TAIL:]
+        else:
+            tail += chunk
+            del tail[:-_TAIL]
 
 
 class HookRunner:
@@ -150,7 +188,7 @@ class HookRunner:
         started = time.monotonic()
         timed_out = False
         exit_code: int | None = None
-        output = b""
+        tail = bytearray()
         outcome = HookOutcome.FAILED
         try:
             process = await self._start(command, message, attempt)
@@ -159,22 +197,32 @@ class HookRunner:
             # NUL, or that the OS refuses: this run's result, never the runner's end (the run
             # is stored: it ended the agent, and every restart after, before).
             log.error("hook %r could not start (%s): reported as not started", command, exc)
-            output = f"could not start: {exc}".encode()
+            tail += f"could not start: {exc}".encode()
             outcome = HookOutcome.NOT_STARTED
         else:
             try:
-                output, _ = await asyncio.wait_for(process.communicate(run.body), self._timeout)
+                # asyncio.timeout, not wait_for (which may drop a stop's cancel on Python 3.11)
+                async with asyncio.timeout(self._timeout):
+                    await _converse(process, run.body, tail)
                 exit_code = process.returncode
                 outcome = HookOutcome.OK if exit_code == 0 else HookOutcome.FAILED
             except TimeoutError:
                 timed_out = True
                 outcome = HookOutcome.TIMED_OUT
-                process.kill()
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    process.kill()
                 try:
-                    output, _ = await asyncio.wait_for(process.communicate(), 5)
+                    async with asyncio.timeout(5):
+                        await _read_tail(process, tail)
+                        await process.wait()
                 except TimeoutError:
-                    log.error("hook %r did not die after kill", command)
+                    log.error(
+                        "hook %r did not die, or something it started holds its output, 5 s "
+                        "after it was killed: reported as timed out",
+                        command,
+                    )
                 exit_code = process.returncode
+        output = bytes(tail)
         duration = time.monotonic() - started
         log.info(
             "hook %r on %s %s: %s (exit %s, %.2f s, attempt %d)",

@@ -6,11 +6,13 @@ published. The simulator over HTTP, the in-memory broker."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import psutil
 import pytest
 
 from publisher import HookSpec
@@ -119,6 +121,48 @@ async def test_a_stored_run_of_a_hook_that_cannot_start_does_not_stop_a_restart(
         assert await store.hook_runs() == []  # reported once, not again at the next start
     finally:
         await store.close()
+
+
+async def test_a_hooks_output_does_not_grow_the_agents_memory(tmp_path: Path) -> None:
+    """Only the last 2,000 bytes of a hook's output are reported; before, all of it was read
+    into memory first (a hook writing 400 MB grew the agent by 783 MiB). The agent runs as its
+    own process so its memory is its own."""
+    broker, _ = _broker("hook-memory")
+    log = tmp_path / "agent.log"
+    hook = "scheduled=sh -c 'yes | head -c 200000000; echo the-end'"  # 200 MB
+    async with simulator_server("web-7") as server:
+        with log.open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "publisher",
+                "--imds-url", server.vm_url("web-7"), "--broker", broker,
+                "--state-dir", str(tmp_path / "state"), "--poll-interval", "0.3",
+                "--imds-first-timeout", "5", "--hook", hook, "--hook-timeout", "60",
+                stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
+                env={k: v for k, v in os.environ.items() if not k.startswith("SCHEDULED_EVENTS")},
+            )  # fmt: skip
+        try:
+            await _wait_for(log, "agent ready", 30)
+            agent = psutil.Process(process.pid)
+            before = peak = agent.memory_info().rss
+            server.simulator.add_event(
+                EventSpec(event_type=EventType.FREEZE, not_before_seconds=900)
+            )
+            async with asyncio.timeout(60):
+                while " (exit " not in log.read_text():
+                    peak = max(peak, agent.memory_info().rss)
+                    await asyncio.sleep(0.02)
+            assert ": ok (exit 0" in log.read_text(), log.read_text()
+            assert process.returncode is None, log.read_text()
+        finally:
+            process.terminate()
+            await process.wait()
+    assert (peak - before) / 2**20 < 30, f"{(peak - before) / 2**20:.1f} MiB more"
+
+
+async def _wait_for(path: Path, text: str, within: float) -> None:
+    async with asyncio.timeout(within):
+        while text not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes
+            await asyncio.sleep(0.05)
 
 
 async def test_a_hook_command_longer_than_200_characters_is_reported(tmp_path: Path) -> None:
