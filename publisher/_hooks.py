@@ -66,6 +66,13 @@ def hook_environment(message: TransitionMessage, vm: str, attempt: int = 1) -> d
     }
 
 
+def _text(text: str) -> str:
+    """``text`` as a message may carry it: NUL, which the contract refuses (no database text
+    type stores it), replaced by U+FFFD as undecodable bytes are. Before, a NUL in a hook's
+    output made its result unpublishable (set aside, never seen)."""
+    return text.replace("\0", "\ufffd")
+
+
 async def _converse(process: asyncio.subprocess.Process, body: bytes, tail: bytearray) -> None:
     """Write ``body`` to the hook's stdin while reading its output into ``tail`` (its last
     :data:`_TAIL` bytes: a hook may write gigabytes, the agent holds no more than that), until
@@ -268,11 +275,11 @@ class HookRunner:
             vm=self._identity,
             event=message.data.event,
             transition=message.kind.value,
-            hook=run.hook.partition("=")[2] or run.hook,
+            hook=_text(run.hook.partition("=")[2] or run.hook),
             exit_code=exit_code,
             timed_out=timed_out,
             duration_seconds=round(duration, 3),
-            output_tail=output[-_TAIL:].decode("utf-8", "replace"),
+            output_tail=_text(output[-_TAIL:].decode("utf-8", "replace")),
             reply_to=self._reply_to,
             outcome=outcome.value,
             transition_id=run.transition_id,

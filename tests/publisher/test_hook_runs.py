@@ -30,7 +30,7 @@ from schemas import (
 from schemas.channels import ChannelNames
 from schemas.transitions import TransitionKind
 
-from .harness import Recorder, recorder, running, settings_for, simulator_server
+from .harness import Recorder, eventually, recorder, running, settings_for, simulator_server
 
 
 def _broker(name: str) -> tuple[str, ChannelNames]:
@@ -73,14 +73,20 @@ async def test_a_hook_that_cannot_start_is_reported_not_started_and_the_agent_go
     assert result.data.output_tail.startswith("could not start:")
 
 
+@pytest.mark.parametrize(
+    "command",
+    ['/bin/echo "unterminated', "/bin/echo a\0b"],
+    ids=["unbalanced-quote", "nul"],
+)
 async def test_a_stored_run_of_a_hook_that_cannot_start_does_not_stop_a_restart(
-    tmp_path: Path,
+    command: str, tmp_path: Path
 ) -> None:
     """A run an older agent queued (its flag accepted then) is reported at the next start, even
-    with no hook configured any more: before, it raised again at each start."""
+    with no hook configured any more: before, it raised again at each start. A NUL in the
+    command is replaced in the report (the contract refuses U+0000: the report was set aside)."""
     broker, channels = _broker("hook-stored")
     state = tmp_path / "state"
-    bad = HookSpec(frozenset({TransitionKind.SCHEDULED}), '/bin/echo "unterminated')
+    bad = HookSpec(frozenset({TransitionKind.SCHEDULED}), command)
     document = ScheduledEventsDocument.from_imds(
         {
             "DocumentIncarnation": 1,
@@ -116,6 +122,7 @@ async def test_a_stored_run_of_a_hook_that_cannot_start_does_not_stop_a_restart(
     (result,) = _results(rec)
     assert result.data.event.event_id == "E1"
     assert result.data.outcome == "not-started"
+    assert result.data.hook == command.replace("\0", "\ufffd")
     store = await StateStore.open(state)
     try:
         assert await store.hook_runs() == []  # reported once, not again at the next start
@@ -163,6 +170,38 @@ async def _wait_for(path: Path, text: str, within: float) -> None:
     async with asyncio.timeout(within):
         while text not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes
             await asyncio.sleep(0.05)
+
+
+async def test_a_nul_byte_in_a_hooks_output_does_not_lose_its_result(tmp_path: Path) -> None:
+    """The contract refuses U+0000 (no database text type stores it): a NUL in the output's
+    tail made the result unpublishable, set aside. It is replaced, the rest kept."""
+    broker, channels = _broker("hook-nul")
+    script = tmp_path / "hook.py"
+    script.write_text("import sys; sys.stdout.buffer.write(b'drained\\x00ok \\xff\\n')")
+    hook = HookSpec(frozenset({TransitionKind.SCHEDULED}), f"{sys.executable} {script}")
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        settings = settings_for(
+            server, "web-7", broker, channels, None, hooks=(hook,), poll_interval=0.2
+        )
+        async with running(settings) as agent:
+            server.simulator.add_event(
+                EventSpec(event_type=EventType.FREEZE, not_before_seconds=900)
+            )
+            await rec.wait_kind(MessageType.SCHEDULED, within=10)
+            await eventually(
+                lambda: (
+                    agent.metrics.registry.get_sample_value("agent_hooks_total", {"result": "ok"})
+                    == 1.0
+                ),
+                10,
+            )
+            outbox = agent._outbox
+            assert outbox is not None
+            await eventually(lambda: outbox.depth == 0, 5)
+            assert outbox.set_aside == 0, "the hook.completed message was set aside"
+            await rec.wait_kind(MessageType.HOOK_COMPLETED, within=5)
+    (result,) = _results(rec)
+    assert result.data.output_tail == "drained\ufffdok \ufffd\n"
 
 
 async def test_a_hook_command_longer_than_200_characters_is_reported(tmp_path: Path) -> None:
