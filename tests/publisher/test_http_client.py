@@ -17,7 +17,7 @@ from schemas import ImdsError
 from schemas._backoff import Backoff
 from schemas.channels import ChannelNames
 
-from .rawimds import ok, raw_server, read_request
+from .rawimds import Handler, ok, raw_server, read_request
 
 INSTANCE = json.dumps({"compute": {"name": "web-7", "vmId": str(uuid.uuid4())}}).encode()
 DOCUMENT = json.dumps({"DocumentIncarnation": 1, "Events": []}).encode()
@@ -34,7 +34,7 @@ GARBLED = {
 }
 
 
-def _answering(scheduled_events: bytes):  # type: ignore[no-untyped-def]
+def _answering(scheduled_events: bytes) -> Handler:
     """An IMDS that knows the VM and answers every other request with ``scheduled_events``."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
