@@ -84,9 +84,12 @@ class Approval(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     schemaversion: str = SCHEMA_VERSION
-    approval_id: str = Field(min_length=1)
-    event_id: str = Field(min_length=1)
-    vm: str = Field(min_length=1)
+    #: Keys the outcome that reports an approval carries: bounded as every key of the contract
+    #: (:data:`~schemas.MAX_KEY_LENGTH`), so a longer one is no approval, refused when read
+    #: rather than failing the agent's report of it.
+    approval_id: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
+    event_id: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
+    vm: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
     decided_by: str = Field(min_length=1)
     reason: str = ""
     issued_at: AwareDatetime
@@ -109,19 +112,6 @@ class Approval(BaseModel):
     @classmethod
     def _readable_version(cls, value: str) -> str:
         return check_version(value)
-
-    @field_validator("approval_id", "event_id", "vm")
-    @classmethod
-    def _bounded_key(cls, value: str) -> str:
-        """An id or a VM name is a key the contract bounds (:data:`~schemas.MAX_KEY_LENGTH`)
-        in the outcome that reports it: a longer one is no approval, refused here rather than
-        failing the agent's report of it."""
-        if len(value) > MAX_KEY_LENGTH:
-            raise ValueError(
-                f"{len(value)} characters, more than the {MAX_KEY_LENGTH} the contract takes "
-                "for an id or a VM name"
-            )
-        return value
 
     @field_validator(*_TIMES)
     @classmethod

@@ -114,7 +114,7 @@ async def test_an_approval_with_an_id_over_the_contracts_bound_is_refused_as_mal
             await _send(broker, forged)
             refused = await _outcome(rec, forged.approval_id[:MAX_KEY_LENGTH])
             assert refused.data.reason == RejectReason.MALFORMED.value
-            assert f"more than the {MAX_KEY_LENGTH}" in refused.data.detail
+            assert f"at most {MAX_KEY_LENGTH} characters" in refused.data.detail
             good = signed_approval(sim, event.event_id, "web-7", key)
             await _send(broker, good)
             assert (await _outcome(rec, good.approval_id)).data.applied

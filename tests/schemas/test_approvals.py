@@ -181,7 +181,7 @@ def test_ids_and_the_vm_are_at_most_the_contracts_key_length(key, field: str) ->
     )
     fields = json.loads(approval.to_bytes())
     assert Approval.from_bytes(json.dumps(fields | {field: "a" * MAX_KEY_LENGTH}))
-    with pytest.raises(SchemaError, match=f"more than the {MAX_KEY_LENGTH}"):
+    with pytest.raises(SchemaError, match=f"at most {MAX_KEY_LENGTH} characters"):
         Approval.from_bytes(json.dumps(fields | {field: "a" * (MAX_KEY_LENGTH + 1)}))
 
 
