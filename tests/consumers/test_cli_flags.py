@@ -6,21 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumers._cli import main
-
-
-def _refused(capsys, argv: list[str]) -> str:
-    """What the command said when it refused ``argv`` with exit status 2 (argparse's own
-    errors exit; the commands' return 2)."""
-    status: int | str | None
-    try:
-        status = main(argv)
-    except SystemExit as exc:
-        status = exc.code
-    assert status == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
+from ._refusal import refused
 
 
 @pytest.mark.parametrize("port", ["70000", "65536", "-1", "http", "nan"])
@@ -29,7 +15,7 @@ def test_a_health_port_outside_0_to_65535_is_refused_before_anything_is_set_up(
 ):
     """Before, --health-port 70000 was taken, the service set up (broker, database), and
     bind() then raised OverflowError: a traceback."""
-    err = _refused(capsys, ["audit", "--broker", "memory://x", "--db", str(tmp_path / "a.db"),
+    err = refused(capsys, ["audit", "--broker", "memory://x", "--db", str(tmp_path / "a.db"),
                             "--health-port", port])  # fmt: skip
     assert f"argument --health-port: {port!r} is not a port (0 to 65535)" in err
     assert not (tmp_path / "a.db").exists()
@@ -37,14 +23,14 @@ def test_a_health_port_outside_0_to_65535_is_refused_before_anything_is_set_up(
 
 def test_a_health_port_from_the_environment_is_checked_the_same(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SCHEDULED_EVENTS_HEALTH_PORT", "70000")
-    err = _refused(capsys, ["audit", "--broker", "memory://x", "--db", str(tmp_path / "a.db")])
+    err = refused(capsys, ["audit", "--broker", "memory://x", "--db", str(tmp_path / "a.db")])
     assert "argument --health-port: '70000' is not a port" in err
 
 
 @pytest.mark.parametrize("grace", ["nan", "inf", "-inf", "0", "-3", "soon"])
 def test_a_health_grace_must_be_a_finite_number_of_seconds_above_0(tmp_path, capsys, grace):
     """nan was refused; inf was taken (the service then never reported itself unhealthy)."""
-    err = _refused(capsys, ["audit", "--broker", "memory://x", "--db", str(tmp_path / "a.db"),
+    err = refused(capsys, ["audit", "--broker", "memory://x", "--db", str(tmp_path / "a.db"),
                             "--health-grace", grace])  # fmt: skip
     assert "argument --health-grace: " in err
 
@@ -53,7 +39,7 @@ def test_a_health_grace_must_be_a_finite_number_of_seconds_above_0(tmp_path, cap
 def test_the_approve_timeout_must_be_a_finite_number_of_seconds_above_0(tmp_path, capsys, timeout):
     """Before, --timeout took any float: nan, inf or a negative reached asyncio.timeout after
     the approval was sent."""
-    err = _refused(capsys, ["approve", "8EE31A01-6A5F-4C1E-8E5A-7C2F0D1B9A33", "--vm", "web-1",
+    err = refused(capsys, ["approve", "8EE31A01-6A5F-4C1E-8E5A-7C2F0D1B9A33", "--vm", "web-1",
                             "--broker", "memory://x", "--signing-key", "k",
                             "--event-version", "a" * 32, "--timeout", timeout])  # fmt: skip
     assert "argument --timeout: " in err
@@ -61,7 +47,7 @@ def test_the_approve_timeout_must_be_a_finite_number_of_seconds_above_0(tmp_path
 
 @pytest.mark.parametrize("speed", ["nan", "inf", "0", "-60", "fast"])
 def test_the_demo_speed_must_be_a_finite_number_above_0(capsys, speed):
-    err = _refused(capsys, ["demo", "--speed", speed])
+    err = refused(capsys, ["demo", "--speed", speed])
     assert "argument --speed: " in err
 
 
@@ -73,5 +59,5 @@ def test_a_secret_file_that_is_not_utf8_is_refused_in_one_line(tmp_path, capsys,
     argv = ["migrate", "--db-file", str(secret)]
     if flag == "--broker-file":
         argv = ["tail", "--broker-file", str(secret)]
-    err = _refused(capsys, argv)
+    err = refused(capsys, argv)
     assert err.startswith(f"scheduled-events: {flag}: {secret} is not UTF-8")

@@ -9,21 +9,9 @@ from consumers._cli import main
 from consumers._policies import load_policy_file
 from schemas import ConfigError
 
+from ._refusal import refused
+
 NOT_UTF8 = b"\xff\xfe[never]\n"
-
-
-def _refused(capsys, argv: list[str]) -> str:
-    """What the command said when it refused ``argv`` with exit status 2 (argparse's own
-    errors exit; the commands' return 2)."""
-    status: int | str | None
-    try:
-        status = main(argv)
-    except SystemExit as exc:
-        status = exc.code
-    assert status == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -57,7 +45,7 @@ def test_the_approver_refuses_a_policy_file_that_is_not_utf8_in_one_line(tmp_pat
     path = tmp_path / "policy.toml"
     path.write_bytes(NOT_UTF8)
     key = str(tmp_path / "keys" / "approver.key")
-    err = _refused(capsys, ["approver", "--broker", "memory://x", "--signing-key", key,
+    err = refused(capsys, ["approver", "--broker", "memory://x", "--signing-key", key,
                             "--policy", str(path)])  # fmt: skip
     assert err.startswith(f"scheduled-events: {path} is not UTF-8")
     assert err.count("\n") == 1

@@ -7,23 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from consumers._cli import main
 from schemas import ConfigError
 from schemas.origin import OriginVerifier
 
-
-def _refused(capsys, argv: list[str]) -> str:
-    """What the command said when it refused ``argv`` with exit status 2 (argparse's own
-    errors exit; the commands' return 2)."""
-    status: int | str | None
-    try:
-        status = main(argv)
-    except SystemExit as exc:
-        status = exc.code
-    assert status == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
+from ._refusal import refused
 
 
 @pytest.mark.parametrize(
@@ -66,7 +53,7 @@ def test_the_audit_refuses_a_vm_inventory_that_is_not_utf8_in_one_line(tmp_path,
     inventory.write_bytes(b"web-1,\xff\xfe\n")
     ca = tmp_path / "ca.pem"
     ca.write_text("not read: the inventory is refused first\n")
-    err = _refused(capsys, ["audit", "--broker", "memory://x", "--db", str(tmp_path / "a.db"),
+    err = refused(capsys, ["audit", "--broker", "memory://x", "--db", str(tmp_path / "a.db"),
                             "--origin", "signed", "--attestation-ca", str(ca),
                             "--vm-inventory", str(inventory)])  # fmt: skip
     assert err.startswith(f"scheduled-events: the VM inventory {inventory} is not UTF-8")
