@@ -28,6 +28,8 @@ from types import TracebackType
 from typing import Self, TypeVar
 from urllib.parse import urlencode, urlsplit
 
+import pydantic_core
+
 from schemas import (
     DEFAULT_API_VERSION,
     ImdsError,
@@ -197,7 +199,7 @@ class ImdsClient:
             self._answered = True
             return self._last[1]  # the same bytes: no need to parse them again
         try:
-            data = loads(raw)
+            data = _document_json(raw)
             # A document without its Events list is garbage, not "no events": only IMDS saying
             # "Events": [] may empty the list.
             if not isinstance(data, dict) or not isinstance(data.get("Events"), list):
@@ -264,3 +266,27 @@ async def with_retries(
             continue
         backoff.reset()
         return result
+
+
+def _document_json(raw: bytes) -> object:
+    """The Scheduled Events document as JSON. Not the message contract's :func:`loads`: its
+    256 KiB cap is a message's, and a placement group's document lists every neighbour's event
+    (the answer is bounded by ``--imds-max-body`` as it is read); and it refuses U+0000, which
+    in one event's text would hide every event of the document. A NUL is carried as U+FFFD
+    instead (no consumer could store it). NaN and Infinity, bad UTF-8, lone surrogates and
+    nesting too deep are garbage, as for a message."""
+    try:
+        data = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except (ValueError, RecursionError) as exc:
+        raise SchemaError(f"not JSON: {exc}") from exc
+    return _without_nul(data) if b"\\u0000" in raw else data
+
+
+def _without_nul(value: object) -> object:
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [_without_nul(item) for item in value]
+    if isinstance(value, dict):
+        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+    return value

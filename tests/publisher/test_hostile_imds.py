@@ -348,3 +348,34 @@ async def test_an_imds_error_says_whether_the_request_may_have_been_taken() -> N
     assert (timed_out.kind, timed_out.unanswered) == ("timeout", True)
     answered = await failure(answer_503)
     assert answered.unanswered is False
+
+
+async def test_a_long_document_or_a_nul_in_one_event_does_not_hide_this_vms_events(
+    tmp_path: Path,
+) -> None:
+    """The document was read with the message contract's checks: at most 256 KiB (IMDS answers
+    up to ``--imds-max-body``, 1 MiB) and no U+0000 anywhere. A placement group's document
+    listing many neighbours' events, or one Description with a NUL in it, was garbage: the
+    agent saw no event at all. Now the document is bounded by what the agent reads, and a NUL
+    in a text is carried as U+FFFD (no consumer can store a NUL)."""
+    broker, channels = _broker()
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        sim = server.simulator
+        settings = settings_for(server, "web-7", broker, channels, tmp_path, poll_interval=0.2)
+        mine = sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
+        document = sim.scheduled_events_document("web-7")
+        own = document["Events"][0]
+        own["Description"] = "Host\u0000maintenance"
+        neighbour = dict(own, Resources=["web-8"], Description="x" * 1000)
+        for _ in range(400):  # about 460 KB in all
+            document["Events"].append(dict(neighbour, EventId=str(uuid.uuid4()).upper()))
+        document["DocumentIncarnation"] += 1
+        assert len(json.dumps(document)) > 400_000
+        _answer_always(sim, document)
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED, 1)
+    [scheduled] = rec.of(MessageType.SCHEDULED)
+    assert scheduled.subject == mine.event_id
+    carried = scheduled.data.event  # type: ignore[union-attr]
+    assert carried is not None
+    assert carried.description == "Host\ufffdmaintenance"
