@@ -404,7 +404,17 @@ class ApprovalHandler:
             except SchemaError as exc:
                 log.error("stored approval %s unreadable (%s)", intent.approval_id, exc)
                 continue
-            await self._reconcile(intent, approval)
+            try:
+                await self._reconcile(intent, approval)
+            except TransportError:
+                raise  # no defect: the link is retried, and this intent with it at next start
+            except Exception:
+                # A defect met by one stored intent: it must not end the agent at every start.
+                log.exception(
+                    "reconciling the stored approval %s failed (a defect): it is left for the "
+                    "next start; the other intents are reconciled",
+                    intent.approval_id,
+                )
 
     # ----------------------------------------------------------------------------- checking
 

@@ -794,7 +794,21 @@ def _intents(db: sqlite3.Connection) -> list[Intent]:
     cursor = db.execute(
         "SELECT approval_id, event_id, event_version, body, at FROM approval_intents ORDER BY at"
     )
-    return [_intent_of(row) for row in cursor]
+    found = []
+    for row in cursor:
+        try:
+            found.append(_intent_of(row))
+        except (TypeError, ValueError) as exc:
+            # Written by this agent as bytes and a number: a row of another shape was edited
+            # or damaged. Raising here ended the agent at every start.
+            log.error(
+                "the stored approval intent %r cannot be read (%s): left as it is, not "
+                "reconciled (its POST may have gone out; a new delivery of that approval is "
+                "refused); the other intents are reconciled",
+                row[0],
+                exc,
+            )
+    return found
 
 
 def _applied_among(db: sqlite3.Connection, event_ids: list[str]) -> set[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from publisher import AgentSettings
-from publisher._state import StateStore
+from publisher._state import STATE_FILE, StateStore
 from publisher.simulator import EventInfo, EventSpec, EventState, EventType, FaultSpec, Simulator
 from schemas import (
     Approval,
@@ -618,3 +619,37 @@ async def test_a_post_is_retried_only_on_a_new_look_at_the_event(
         assert outcome.data.applied
         assert [a.vm for a in sim.get_event(event.event_id).approvals] == ["web-7"]
         assert "GET" in after_failure[: after_failure.index("POST")]
+
+
+async def test_an_unreadable_stored_intent_does_not_stop_the_agent_at_each_start(
+    tmp_path: Path,
+) -> None:
+    """The agent reconciles its stored approval intents when it starts. One row of the wrong
+    shape (a body stored as text, a time that is no number: a file edited by hand, or damaged)
+    raised out of the reconciling, which ended the agent, at every start. Now that row is left
+    as it is with an error naming it, and the others are reconciled."""
+    broker = Broker(f"memory://intent-{uuid.uuid4().hex[:6]}", _channels("intent"), "memory")
+    spec = EventSpec(
+        event_type=EventType.REDEPLOY, resources=["web-7"], not_before_seconds=3 * 86400
+    )
+    async with _web7(broker, tmp_path, spec) as (sim, rec, event, key, settings):
+        version = version_of(sim, event.event_id)
+        approval = sign(
+            new_approval(event.event_id, "web-7", decided_by="policy", event_version=version),
+            key,
+        )
+        store = await StateStore.open(settings.state_dir)
+        await store.record_intent(
+            approval.approval_id, event.event_id, version, approval.to_bytes()
+        )
+        await store.close()
+        assert settings.state_dir is not None
+        with sqlite3.connect(settings.state_dir / STATE_FILE) as db:
+            db.execute(
+                "INSERT INTO approval_intents (approval_id, event_id, event_version, body, at) "
+                "VALUES ('damaged', 'EVT-X', 'v', 'text, not bytes', 'no time')"
+            )
+        async with running(settings):  # its exit awaits the agent: an agent that failed raises
+            outcome = await _outcome(rec, approval.approval_id)
+            await asyncio.sleep(0.5)
+    assert outcome.kind is MessageType.APPROVAL_APPLIED  # the readable one was reconciled
