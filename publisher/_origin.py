@@ -12,7 +12,6 @@ import asyncio
 import base64
 import logging
 import os
-import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from schemas import ConfigError, ImdsError
 from schemas._backoff import Backoff
 from schemas.origin import ATTESTATION, KEY, SIGNATURE, key_nonce
 
+from ._files import NotARegularFile, read_regular_file
 from ._imds import ImdsClient
 
 if TYPE_CHECKING:
@@ -81,30 +81,18 @@ def load_origin_key(state_dir: Path | None) -> Ed25519PrivateKey:
 
 
 def _read_key_file(path: Path, aside: str) -> bytes:
-    """The bytes of ``origin.key``: from a regular file only (a link to one is fine: a secret
-    mounted by Kubernetes is one), opened without blocking (a FIFO held the start) and read at
-    most :data:`MAX_KEY_FILE` bytes (a link to ``/dev/zero`` was read until memory ran out)."""
+    """The bytes of ``origin.key``: from a regular file only, read at most
+    :data:`MAX_KEY_FILE` bytes (see :func:`read_regular_file`)."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_regular_file(path, MAX_KEY_FILE)
+    except NotARegularFile as exc:
+        raise ConfigError(
+            f"state_dir: {path} is not a regular file: no origin key; {aside}"
+        ) from exc
     except OSError as exc:
         raise ConfigError(
             f"state_dir: {path}: cannot read the origin key ({exc.strerror or exc}); {aside}"
         ) from exc
-    try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise ConfigError(f"state_dir: {path} is not a regular file: no origin key; {aside}")
-        data = b""
-        while len(data) <= MAX_KEY_FILE:
-            chunk = os.read(descriptor, MAX_KEY_FILE + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-    except OSError as exc:
-        raise ConfigError(
-            f"state_dir: {path}: cannot read the origin key ({exc.strerror or exc}); {aside}"
-        ) from exc
-    finally:
-        os.close(descriptor)
     if len(data) > MAX_KEY_FILE:
         raise ConfigError(
             f"state_dir: {path} is larger than {MAX_KEY_FILE // 1024} KiB: no origin key (one is "

@@ -22,7 +22,6 @@ import math
 import os
 import re
 import shlex
-import stat
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -35,6 +34,8 @@ from schemas.channels import DEFAULT_CHANNELS, ChannelNames
 from schemas.transitions import TransitionKind
 from schemas.transport import broker_kind, redact
 from schemas.transport._amqp_settings import parse_amqp_url
+
+from ._files import NotARegularFile, read_regular_file
 
 __all__ = ["ENV_PREFIX", "AgentSettings", "HookSpec", "parse_settings"]
 
@@ -557,7 +558,6 @@ def parse_settings(
 ) -> AgentSettings:
     """Settings from flags > environment > TOML file > defaults; :class:`ConfigError` naming
     the setting when one is invalid. ``--help`` exits through argparse."""
-    import os
 
     env = os.environ if environ is None else environ
     flags = vars(_parser().parse_args(argv))
@@ -596,18 +596,11 @@ def _read_text(path: Path, name: str, limit: int) -> str:
     secret."""
     _check_path(name, path)
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_regular_file(path, limit)
+    except NotARegularFile as exc:
+        raise ConfigError(f"{name}: {path} is not a regular file") from exc
     except OSError as exc:
         raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise ConfigError(f"{name}: {path} is not a regular file")
-        with os.fdopen(descriptor, "rb", closefd=False) as handle:
-            data = handle.read(limit + 1)
-    except OSError as exc:
-        raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from exc
-    finally:
-        os.close(descriptor)
     if len(data) > limit:
         raise ConfigError(f"{name}: {path} is larger than {limit // 1024} KiB: not one to read")
     try:
