@@ -28,8 +28,6 @@ from types import TracebackType
 from typing import Self, TypeVar
 from urllib.parse import urlencode, urlsplit
 
-import pydantic_core
-
 from schemas import (
     DEFAULT_API_VERSION,
     ImdsError,
@@ -39,7 +37,7 @@ from schemas import (
     VmIdentity,
 )
 from schemas._backoff import Backoff
-from schemas.messages import loads
+from schemas.messages import loads, parse_json
 
 from ._http import BodyTooLarge, ConnectFailed, HttpClient, HttpError
 from ._poller import RequestLimiter
@@ -275,10 +273,7 @@ def _document_json(raw: bytes) -> object:
     in one event's text would hide every event of the document. A NUL is carried as U+FFFD
     instead (no consumer could store it). NaN and Infinity, bad UTF-8, lone surrogates and
     nesting too deep are garbage, as for a message."""
-    try:
-        data = pydantic_core.from_json(raw, allow_inf_nan=False)
-    except (ValueError, RecursionError) as exc:
-        raise SchemaError(f"not JSON: {exc}") from exc
+    data = parse_json(raw)
     return _without_nul(data) if b"\\u0000" in raw else data
 
 

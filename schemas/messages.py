@@ -642,7 +642,14 @@ def loads(raw: bytes | str) -> object:
     """JSON as the contract reads it: pydantic's parser (the one the one-pass path uses, so
     both paths agree), no NaN or Infinity, no lone surrogate, a bounded depth; the checks of
     :func:`decode` first. :class:`SchemaError` for anything else."""
-    data = _screen(raw)
+    return parse_json(_screen(raw))
+
+
+def parse_json(data: bytes) -> object:
+    """The JSON parse itself, without :func:`loads`' screen (size, U+0000): pydantic's parser,
+    no NaN or Infinity, no lone surrogate or bad UTF-8, a bounded depth; :class:`SchemaError`
+    for anything else. For a caller that bounds its input otherwise (the agent's reader of the
+    IMDS document)."""
     try:
         return pydantic_core.from_json(data, allow_inf_nan=False)
     except (ValueError, RecursionError) as exc:
