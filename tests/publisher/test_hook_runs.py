@@ -148,7 +148,7 @@ async def test_a_hooks_output_does_not_grow_the_agents_memory(tmp_path: Path) ->
                 env={k: v for k, v in os.environ.items() if not k.startswith("SCHEDULED_EVENTS")},
             )  # fmt: skip
         try:
-            await _wait_for(log, "agent ready", 30)
+            await eventually(lambda: "agent ready" in log.read_text(), 30)
             agent = psutil.Process(process.pid)
             before = peak = agent.memory_info().rss
             server.simulator.add_event(
@@ -164,12 +164,6 @@ async def test_a_hooks_output_does_not_grow_the_agents_memory(tmp_path: Path) ->
             process.terminate()
             await process.wait()
     assert (peak - before) / 2**20 < 30, f"{(peak - before) / 2**20:.1f} MiB more"
-
-
-async def _wait_for(path: Path, text: str, within: float) -> None:
-    async with asyncio.timeout(within):
-        while text not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes
-            await asyncio.sleep(0.05)
 
 
 async def test_a_nul_byte_in_a_hooks_output_does_not_lose_its_result(tmp_path: Path) -> None:

@@ -128,7 +128,7 @@ async def test_a_huge_answer_is_refused_as_it_arrives_and_memory_stays_flat(
                 env={k: v for k, v in os.environ.items() if not k.startswith("SCHEDULED_EVENTS")},
             )  # fmt: skip
         try:
-            await _wait_for(log, "agent ready", 30)
+            await eventually(lambda: "agent ready" in log.read_text(), 30)
             agent = psutil.Process(process.pid)
             before = agent.memory_info().rss
             sim.add_fault(FaultSpec(vm="web-7", endpoint="scheduledevents", huge_mb=50, times=3))
@@ -137,7 +137,7 @@ async def test_a_huge_answer_is_refused_as_it_arrives_and_memory_stays_flat(
                 while sim.faults():
                     peak = max(peak, agent.memory_info().rss)
                     await asyncio.sleep(0.02)
-            await _wait_for(log, "1048576 taken", 10)
+            await eventually(lambda: "1048576 taken" in log.read_text(), 10)
             await asyncio.sleep(0.5)
             peak = max(peak, agent.memory_info().rss)
             assert process.returncode is None, log.read_text()
@@ -145,12 +145,6 @@ async def test_a_huge_answer_is_refused_as_it_arrives_and_memory_stays_flat(
             process.terminate()
             await process.wait()
     assert (peak - before) / 2**20 < 15, f"{(peak - before) / 2**20:.1f} MiB more"
-
-
-async def _wait_for(path: Path, text: str, within: float) -> None:
-    async with asyncio.timeout(within):
-        while text not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes
-            await asyncio.sleep(0.05)
 
 
 async def test_an_older_document_is_held_back_and_invents_nothing(
