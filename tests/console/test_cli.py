@@ -48,6 +48,17 @@ async def _spawn(*args: str, env: dict[str, str] | None = None) -> asyncio.subpr
     )
 
 
+async def _console(
+    tmp_path: Path, broker: str, *flags: str, env: dict[str, str] | None = None
+) -> asyncio.subprocess.Process:
+    """``scheduled-events console`` on ``broker`` with its database in ``tmp_path``, listening
+    on a free loopback port, with ``flags``."""
+    return await _spawn(
+        "-m", "consumers", "console", "--broker", broker, "--db", str(tmp_path / "central.db"),
+        "--listen", "127.0.0.1:0", *flags, env=env,
+    )  # fmt: skip
+
+
 async def _finish(process: asyncio.subprocess.Process, within: float = 20) -> tuple[str, str]:
     try:
         out, err = await asyncio.wait_for(process.communicate(), within)
@@ -100,19 +111,8 @@ def test_no_database_is_a_clear_error(capsys):
 
 async def test_the_console_prints_its_address_first_and_stops_on_sigterm(tmp_path):
     users = write_users(tmp_path / "users")
-    process = await _spawn(
-        "-m",
-        "consumers",
-        "console",
-        "--broker",
-        "memory://cli",
-        "--db",
-        str(tmp_path / "central.db"),
-        "--users",
-        str(users),
-        "--listen",
-        "127.0.0.1:0",
-        env={"SCHEDULED_EVENTS_SESSION_HOURS": "1"},
+    process = await _console(
+        tmp_path, "memory://cli", "--users", str(users), env={"SCHEDULED_EVENTS_SESSION_HOURS": "1"}
     )
     try:
         assert process.stdout is not None
@@ -179,20 +179,8 @@ async def test_the_demo_serves_the_console_and_prints_its_address(tmp_path):
 async def test_a_session_length_that_is_no_number_of_hours_is_refused_at_start(tmp_path, hours):
     """``inf`` and ``nan`` parse as floats: the console started, printed its address, and then
     every sign-in was a 500. A bad flag is one line and exit 2, like the others."""
-    process = await _spawn(
-        "-m",
-        "consumers",
-        "console",
-        "--broker",
-        "memory://cli",
-        "--db",
-        str(tmp_path / "central.db"),
-        "--token",
-        "a-long-shared-token",
-        "--listen",
-        "127.0.0.1:0",
-        "--session-hours",
-        hours,
+    process = await _console(
+        tmp_path, "memory://cli", "--token", "a-long-shared-token", "--session-hours", hours
     )
     out, err = await _finish(process, within=15)
     assert process.returncode == 2, (out, err)
@@ -204,18 +192,11 @@ async def test_a_session_length_that_is_no_number_of_hours_is_refused_at_start(t
 
 async def test_behind_the_proxy_the_console_answers_to_its_host_names_only(tmp_path):
     users = write_users(tmp_path / "users")
-    process = await _spawn(
-        "-m",
-        "consumers",
-        "console",
-        "--broker",
+    process = await _console(
+        tmp_path,
         "memory://cli-hosts",
-        "--db",
-        str(tmp_path / "central.db"),
         "--users",
         str(users),
-        "--listen",
-        "127.0.0.1:0",
         "--trust-proxy-header",
         "X-Forwarded-User",
         "--host-name",
