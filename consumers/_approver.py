@@ -525,10 +525,9 @@ class ApproverService:
         sent = state.sent
         if data.applied or data.decided_by != self.decided_by:
             return
-        current = sent is not None and sent.approval_id == data.approval_id
         if not state.settle(data.approval_id, message.vm.name):
             return  # not an approval of ours still out to that VM
-        if not current or sent is None:
+        if sent is None or sent.approval_id != data.approval_id:
             log.info(
                 "approval %s of %s (an earlier version) rejected by %s: %s; no longer counted",
                 data.approval_id,
