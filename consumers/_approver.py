@@ -484,7 +484,9 @@ class ApproverService:
         """A guard holds the event on ``groups`` (none: nothing holds it any more). It keeps its
         place in the groups it was held on already."""
         event_id = state.event_id
-        vms = tuple(resource.casefold() for resource in state.resources) if groups else ()
+        # Each VM once: Resources may name one twice (``web-2``, ``WEB-2``), and :meth:`_drop`
+        # takes the event off each VM's list once per name it is given.
+        vms = tuple(dict.fromkeys(r.casefold() for r in state.resources)) if groups else ()
         old_groups, old_vms = self._held_on.pop(event_id, ((), ()))
         self._drop(
             event_id,

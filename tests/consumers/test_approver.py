@@ -862,3 +862,50 @@ async def test_a_report_of_a_new_version_does_not_free_a_vm_that_holds_an_approv
             assert (await _first_approval(transport, "web-2", 1.5) is not None) is freed
         service.stop()
         await asyncio.wait_for(runner, 5)
+
+
+async def test_an_event_listing_its_vm_twice_is_approved_once_its_group_has_room():
+    """Scale set S, at most one VM down. EVT-B lists web-2 twice (``web-2`` and ``WEB-2``: names
+    compare case-insensitively, and nothing in the contract forbids the repeat), and waits while
+    EVT-A holds S's one slot. When EVT-A completed, deciding EVT-B again took it off the wait
+    lists once per name: the second raised KeyError, the handler failed, and the retried message
+    found no change left to decide on (the failed try had taken it). EVT-B was left to NotBefore
+    with room in S. Now it is approved when the slot frees."""
+    from consumers._policies import parse_policy
+
+    policy = parse_policy(
+        {
+            "approve": {"user_initiated": {}},
+            "max_unavailable": {"group_by": "scale_set", "count": 1},
+        }
+    )
+    now = datetime.now(UTC)
+    web1, web2 = vm("web-1", scale_set="S"), vm("web-2", scale_set="S")
+    later = now + timedelta(minutes=15)
+    a = event("EVT-A", source="User", resources=("web-1",), not_before=later)
+    b = event("EVT-B", source="User", resources=("web-2", "WEB-2"), not_before=later)
+    async with MemoryTransport(f"twice-{uuid.uuid4().hex}") as transport:
+        service = ApproverService(transport, generate_signing_key(), policy)
+        await transport.declare_group("approver")
+        runner = asyncio.create_task(service.run())
+        for message in (
+            heartbeat(web1, at=now),
+            heartbeat(web2, at=now),
+            transition("scheduled", a, web1, at=now),
+        ):
+            await transport.publish(lifecycle_message(message))
+        first = await _first_approval(transport, "web-1", 2)
+        assert first is not None
+        assert first.event_id == "EVT-A"
+        await transport.publish(lifecycle_message(transition("scheduled", b, web2, at=now)))
+        assert await _first_approval(transport, "web-2", 0.5) is None  # S is full
+        started = event("EVT-A", source="User", status="Started", resources=("web-1",))
+        for kind in ("started", "completed"):
+            done = transition(kind, started, web1, at=now + timedelta(seconds=1))
+            await transport.publish(lifecycle_message(done))
+        second = await _first_approval(transport, "web-2", 2)
+        service.stop()
+        await asyncio.wait_for(runner, 5)
+    assert second is not None, "EVT-B left to NotBefore with room in S"
+    assert second.event_id == "EVT-B"
+    assert service.stream.stats.retried == 0  # no handler failed on the way
