@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, Self
@@ -26,6 +27,7 @@ import aio_pika.abc
 import aiormq.abc
 import aiormq.exceptions
 from pamqp import commands as spec
+from pamqp import encode
 
 from .._errors import TransportError
 from ._amqp_errors import (
@@ -58,6 +60,10 @@ _FIRST_DEATH_REASON = "x-first-death-reason"
 _FIRST_DEATH_QUEUE = "x-first-death-queue"
 _CLOSE_TIMEOUT = 5.0
 _CONSUME_TIMEOUT = 10.0
+#: The most of a message's own headers its dead-letter copy carries (bytes as written): the
+#: copy's content header, with the reason added, must fit in one frame (RabbitMQ's frame_max,
+#: 128 KiB by default), or the broker closes the whole link.
+_COPIED_HEADERS_MAX = 64 * 1024
 
 
 def _properties(
@@ -106,6 +112,41 @@ def _latest_death(headers: Mapping[str, object]) -> tuple[str, str] | None:
 
 def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _copyable(headers: Mapping[str, Any], message_id: str) -> dict[str, object]:
+    """The headers a dead-letter copy can carry of ``headers`` (the broker's ``x-`` ones left
+    out). The publisher chose them, and pamqp reads values it cannot write again (a long string
+    that is not UTF-8, read as bytes; a decimal beyond the signed mantissa it writes; a double
+    beyond the single-precision float it writes floats as): each is left out of the copy, as
+    is whatever exceeds :data:`_COPIED_HEADERS_MAX`, and a warning names them."""
+    kept: dict[str, object] = {}
+    left_out: list[str] = []
+    size = 0
+    for key, value in headers.items():
+        if key.startswith("x-"):
+            continue
+        try:
+            written = len(key.encode(errors="replace")) + len(encode.encode_table_value(value))
+        except (TypeError, ValueError, OverflowError, RecursionError, struct.error):
+            left_out.append(key)
+            continue
+        if size + written > _COPIED_HEADERS_MAX:
+            left_out.append(key)
+            continue
+        size += written
+        kept[key] = value
+    if left_out:
+        log.warning(
+            "message %s: %d header(s) cannot be written into its dead-letter copy (not "
+            "writable as AMQP values, or more than %d bytes of headers): left out of it (%s)",
+            message_id or "(no id)",
+            len(left_out),
+            _COPIED_HEADERS_MAX,
+            ", ".join(repr(key[:40]) for key in left_out[:5])
+            + (", ..." if len(left_out) > 5 else ""),
+        )
+    return kept
 
 
 class AmqpDelivery:
@@ -218,7 +259,7 @@ class AmqpDelivery:
             return
         if self._settled:
             raise TransportError(f"message {self.message_id} was settled already")
-        headers = {k: v for k, v in self._headers.items() if not k.startswith("x-")}
+        headers = _copyable(self._headers, self.message_id)
         headers[DEAD_LETTER_REASON] = reason
         headers[DEAD_LETTER_DESCRIPTION] = description
         if self.sender is not None:  # the copy is published by this consumer's own user
