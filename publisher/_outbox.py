@@ -5,9 +5,10 @@ is tried again after a short jittered delay (capped at half a second, so publish
 within a second of the broker coming back). Replays carry the stored bytes: same id, same body.
 
 A row that can never be sent does not block the rows behind it, and is never thrown away: one
-the agent cannot read back (only a downgrade or a corrupted disk could do that) or one the broker
-refuses for good (:class:`~schemas.MessageRefused`, over its size limit) is set aside in its
-own table, counted in ``agent_outbox_set_aside``, logged once, and reported by ``/healthz``.
+the agent cannot read back (a cell of the wrong type, a body that is no message: a hand edit, a
+downgrade or a damaged disk could do that) or one the broker refuses for good
+(:class:`~schemas.MessageRefused`, over its size limit) is set aside in its own table, counted
+in ``agent_outbox_set_aside``, logged once, and reported by ``/healthz``.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class OutboxPublisher:
                         await self._wake.wait()
                 continue
             self.empty.clear()
-            self.oldest = rows[0].created
+            self.oldest = next((r.created for r in rows if r.unreadable is None), None)
             if self.stalled_since is None:
                 self.stalled_since = time.monotonic()
             for row in rows:
@@ -120,11 +121,15 @@ class OutboxPublisher:
 
     async def _publish(self, row: OutboxRow) -> bool:
         """True when the row is gone from the outbox (confirmed, or set aside)."""
+        if row.unreadable is not None:
+            await self._set_aside(row, "unreadable", f"the stored row: {row.unreadable}")
+            return True
         try:
-            outgoing = lifecycle_message(decode(row.body))
+            message = decode(row.body)
         except SchemaError as exc:
             await self._set_aside(row, "unreadable", f"cannot be read back: {exc}")
             return True
+        outgoing = lifecycle_message(message)
         if self._sign is not None:
             signed = {**outgoing.properties, **self._sign(outgoing.body)}
             outgoing = dataclasses.replace(outgoing, properties=signed)
@@ -157,7 +162,8 @@ class OutboxPublisher:
         self.last_error = None
         latency = max(time.time() - row.created, 0.0)
         self._metrics.publish_latency.observe(latency)
-        self._metrics.published.labels(row.kind).inc()
+        # The kind the message says, not the row's own cell: a label is made for each value.
+        self._metrics.published.labels(message.kind.value).inc()
         self.depth = await self._store.delete(row.sequence)
         self._metrics.outbox_depth.set(self.depth)
         log.debug(

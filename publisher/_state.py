@@ -26,9 +26,10 @@ import math
 import os
 import re
 import sqlite3
+import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -115,6 +116,8 @@ CREATE TABLE IF NOT EXISTS hook_runs (
 DROPPABLE = frozenset({MessageType.AGENT_HEARTBEAT})
 #: How long outcomes, attempts and applied events are remembered (any redelivery comes sooner).
 REMEMBERED_SECONDS = 86_400.0
+#: What a text cell that cannot be read is shown as, in a row that is kept for its other cells.
+UNREADABLE = "(unreadable)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +126,14 @@ class OutboxRow:
     message_id: str
     kind: str
     body: bytes
-    #: Wall-clock time the row entered the outbox (publish latency is measured from it).
+    #: Wall-clock time the row entered the outbox (publish latency is measured from it); NaN
+    #: when the stored one cannot be read.
     created: float
+    #: Why the row as stored cannot be read (a cell of the wrong type: a hand edit, a damaged
+    #: disk, another version's table); None for a row this agent can send. Such a row is set
+    #: aside, never sent: its ``body`` is empty, and unreadable text cells are shown as
+    #: :data:`UNREADABLE`.
+    unreadable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,8 +461,66 @@ def _count(db: sqlite3.Connection, table: str) -> int:
 
 
 def _oldest(db: sqlite3.Connection) -> float | None:
-    row = db.execute("SELECT min(created) FROM outbox").fetchone()
+    # Of the rows whose time can be read (a finite number, as _time_cell takes it): one of
+    # another type made this raise, and the publisher with it, before it read a row.
+    row = db.execute(
+        "SELECT min(created) FROM outbox "
+        "WHERE typeof(created) IN ('integer', 'real') AND abs(created) <= ?",
+        (sys.float_info.max,),
+    ).fetchone()
     return None if row is None or row[0] is None else float(row[0])
+
+
+# ------------------------------------------------------------ rows read back, cell by cell
+#
+# The agent writes its rows with known types, but the file may have been edited by hand,
+# damaged, or written by another version: a cell may hold another type, or text that is not
+# UTF-8 (on which the sqlite3 cursor raises, for the read of every row after it too). So each
+# cell is selected with its storage class, text as its bytes, and checked here: a row that fails
+# the check is that row's problem, not the reader's.
+
+
+class _Unreadable(ValueError):
+    """A cell of a stored row is not what this agent writes there."""
+
+
+def _cells(*columns: str) -> str:
+    """SQL for each column: its storage class, then its value (text as its bytes)."""
+    return ", ".join(
+        f"typeof({c}), CASE typeof({c}) WHEN 'text' THEN CAST({c} AS BLOB) ELSE {c} END"
+        for c in columns
+    )
+
+
+def _described(kind: str, value: Any) -> str:
+    if kind == "null":
+        return "null"
+    if kind == "blob":
+        return f"{len(value)} bytes"
+    if kind == "text":
+        return f"text {_shown(bytes(value).decode('utf-8', 'replace'))}"
+    return f"{'an integer' if kind == 'integer' else 'a number'} ({value!r})"
+
+
+def _text_cell(name: str, kind: str, value: Any) -> str:
+    if kind == "text":
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Unreadable(f"{name} is text that is not UTF-8") from None
+    raise _Unreadable(f"{name} is {_described(kind, value)}, not text")
+
+
+def _bytes_cell(name: str, kind: str, value: Any) -> bytes:
+    if kind == "blob":
+        return bytes(value)
+    raise _Unreadable(f"{name} is {_described(kind, value)}, not bytes")
+
+
+def _time_cell(name: str, kind: str, value: Any) -> float:
+    if kind in ("integer", "real") and math.isfinite(value):
+        return float(value)
+    raise _Unreadable(f"{name} is {_described(kind, value)}, not a time")
 
 
 # ------------------------------------------------------------------- the rows of ``meta``
@@ -705,10 +772,33 @@ def _present(db: sqlite3.Connection, rows: list[OutboxRow]) -> set[int]:
 
 def _pending(db: sqlite3.Connection, limit: int) -> list[OutboxRow]:
     cursor = db.execute(
-        "SELECT sequence, message_id, kind, body, created FROM outbox ORDER BY sequence LIMIT ?",
+        f"SELECT sequence, {_cells('message_id', 'kind', 'body', 'created')} FROM outbox "
+        "ORDER BY sequence LIMIT ?",
         (limit,),
     )
-    return [OutboxRow(int(s), str(i), str(k), bytes(b), float(c)) for s, i, k, b, c in cursor]
+    return [_outbox_row(row) for row in cursor]
+
+
+def _outbox_row(row: Sequence[Any]) -> OutboxRow:
+    """One row of :func:`_pending`; a row that cannot be read comes back with ``unreadable``
+    saying which cell and why (before, one such row raised out of every read of the outbox:
+    the publisher ended, and the agent with it, at every start)."""
+    problems: list[str] = []
+
+    def cell(read: Callable[[str, str, Any], T], name: str, at: int, otherwise: T) -> T:
+        try:
+            return read(name, row[at], row[at + 1])
+        except _Unreadable as exc:
+            problems.append(str(exc))
+            return otherwise
+
+    message_id = cell(_text_cell, "message_id", 1, UNREADABLE)
+    kind = cell(_text_cell, "kind", 3, UNREADABLE)
+    body = cell(_bytes_cell, "body", 5, b"")
+    created = cell(_time_cell, "created", 7, math.nan)
+    if problems:
+        return OutboxRow(int(row[0]), message_id, kind, b"", created, "; ".join(problems))
+    return OutboxRow(int(row[0]), message_id, kind, body, created)
 
 
 def _delete(db: sqlite3.Connection, sequence: int) -> int:
@@ -719,19 +809,14 @@ def _delete(db: sqlite3.Connection, sequence: int) -> int:
 def _set_aside(db: sqlite3.Connection, row: OutboxRow, why: str, reason: str) -> int:
     db.execute("BEGIN IMMEDIATE")
     try:
+        # The cells are moved as they are stored (an unreadable one too, for a person to look
+        # at), not as they were read; a NULL only a table of another shape holds is kept as
+        # the empty value of its column, which refuses NULL.
         db.execute(
             "INSERT OR REPLACE INTO outbox_set_aside (sequence, message_id, kind, body, created, "
-            "why, reason, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                row.sequence,
-                row.message_id,
-                row.kind,
-                row.body,
-                row.created,
-                why,
-                reason,
-                time.time(),
-            ),
+            "why, reason, at) SELECT sequence, coalesce(message_id, ''), coalesce(kind, ''), "
+            "coalesce(body, x''), coalesce(created, 0), ?, ?, ? FROM outbox WHERE sequence = ?",
+            (why, reason, time.time(), row.sequence),
         )
         db.execute("DELETE FROM outbox WHERE sequence = ?", (row.sequence,))
         db.execute("COMMIT")

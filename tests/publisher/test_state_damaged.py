@@ -1,0 +1,151 @@
+"""A state file SQLite opens whose rows are of the wrong type or shape (a hand edit, a damaged
+disk, a table another version made): the outbox, the hook runs, the approval intents and
+outcomes, text that is not UTF-8. Each unreadable row costs that row (set aside, or left with an
+error naming it), never the agent: before, each of these ended it with a traceback, at every
+start, and nothing behind the row was published or run.
+
+A real agent on a real state dir, the simulator over HTTP, the in-memory broker (and RabbitMQ
+for the outbox: the rows behind the bad one are on the broker)."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from publisher._state import STATE_FILE, StateStore
+from schemas import (
+    ReplyAddress,
+    ScheduledEventsDocument,
+    TransitionMessage,
+    VmIdentity,
+    diff,
+)
+from schemas.channels import ChannelNames
+
+from .conftest import Broker
+from .harness import eventually, recorder, running, settings_for, simulator_server
+
+
+def _memory(name: str) -> Broker:
+    unique = uuid.uuid4().hex[:8]
+    return Broker(f"memory://{name}-{unique}", ChannelNames().suffixed(unique), "memory")
+
+
+def _transitions(count: int) -> list[TransitionMessage]:
+    """``count`` transitions of web-7 (one Scheduled Freeze each), as the agent builds them."""
+    document = ScheduledEventsDocument.from_imds(
+        {
+            "DocumentIncarnation": 1,
+            "Events": [
+                {
+                    "EventId": f"E{n}",
+                    "EventStatus": "Scheduled",
+                    "EventType": "Freeze",
+                    "Resources": ["web-7"],
+                    "NotBefore": "",
+                }
+                for n in range(count)
+            ],
+        }
+    )
+    messages = [
+        TransitionMessage.build(
+            t,
+            vm=VmIdentity(name="web-7"),
+            reply_to=ReplyAddress(channel="approvals", key="web-7"),
+            observed_at=datetime.now(UTC),
+        )
+        for t in diff(None, document)
+    ]
+    return sorted(messages, key=lambda m: m.data.event.event_id)
+
+
+def _sql(state: Path, *statements: str) -> None:
+    """Edit the state file as an operator's ``sqlite3`` would."""
+    db = sqlite3.connect(state / STATE_FILE)
+    try:
+        for statement in statements:
+            db.execute(statement)
+        db.commit()
+    finally:
+        db.close()
+
+
+def _rows(state: Path, query: str) -> list[tuple[object, ...]]:
+    db = sqlite3.connect(state / STATE_FILE)
+    db.text_factory = bytes
+    try:
+        return db.execute(query).fetchall()
+    finally:
+        db.close()
+
+
+#: The outbox table as another version might have made it: no NOT NULL (so a NULL can be there).
+_LOOSE_OUTBOX = (
+    "CREATE TABLE loose (sequence INTEGER PRIMARY KEY, message_id TEXT, kind TEXT, "
+    "droppable INTEGER, body BLOB, created REAL)",
+    "INSERT INTO loose SELECT * FROM outbox",
+    "DROP TABLE outbox",
+    "ALTER TABLE loose RENAME TO outbox",
+)
+
+#: Damage to one outbox row (``{seq}``), and what the error says of it.
+OUTBOX_DAMAGE = {
+    "body-text": (("UPDATE outbox SET body = 'text, not bytes' WHERE sequence = {seq}",), "body"),
+    "body-null": ((*_LOOSE_OUTBOX, "UPDATE outbox SET body = NULL WHERE sequence = {seq}"), "body"),
+    "created-text": (("UPDATE outbox SET created = 'x' WHERE sequence = {seq}",), "created"),
+    "created-infinite": (("UPDATE outbox SET created = 9e999 WHERE sequence = {seq}",), "created"),
+    "id-not-utf8": (
+        ("UPDATE outbox SET message_id = CAST(x'ff' AS TEXT) WHERE sequence = {seq}",),
+        "message_id",
+    ),
+    "kind-bytes": (("UPDATE outbox SET kind = x'00' WHERE sequence = {seq}",), "kind"),
+}
+
+
+@pytest.mark.parametrize("damage", list(OUTBOX_DAMAGE.values()), ids=list(OUTBOX_DAMAGE))
+async def test_an_unreadable_outbox_row_is_set_aside_and_the_rows_behind_it_are_published(
+    broker: Broker,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    damage: tuple[tuple[str, ...], str],
+) -> None:
+    """Three messages wait in the outbox from the last run; the first one's row was damaged.
+    Before, reading the outbox raised on most of these (bytes() of text or NULL, float() of
+    'x', the cursor on text that is not UTF-8): the publisher ended, and with it the agent, at
+    every start, and the two good messages were never sent. Now a row whose cells are not of
+    the types the agent writes is set aside (kept, counted, the cell named in the log), and
+    the others reach the broker."""
+    statements, column = damage
+    state = tmp_path / "state"
+    store = await StateStore.open(state)
+    try:
+        committed = await store.commit(_transitions(3))
+    finally:
+        await store.close()
+    bad, *good = committed.rows
+    _sql(state, *(s.format(seq=bad.sequence) for s in statements))
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        settings = settings_for(server, "web-7", broker.url, broker.channels, state)
+        with caplog.at_level(logging.ERROR, logger="publisher"):
+            async with running(settings) as agent:
+                await rec.wait_for(
+                    lambda ms: {r.message_id for r in good} <= {m.id for m in ms}, within=15
+                )
+                outbox = agent._outbox
+                assert outbox is not None
+                await eventually(lambda: outbox.set_aside == 1, 5)
+    assert bad.message_id not in {m.id for m in rec.messages}
+    (why,) = [
+        r.getMessage() for r in caplog.records if f"outbox row {bad.sequence} " in r.getMessage()
+    ]
+    assert "set aside, unreadable" in why
+    assert column in why
+    assert _rows(state, "SELECT sequence, why FROM outbox_set_aside") == [
+        (bad.sequence, b"unreadable")
+    ]
