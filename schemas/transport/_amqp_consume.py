@@ -30,6 +30,10 @@ from pamqp import commands as spec
 from pamqp import encode
 
 from .._errors import TransportError
+
+# Imported for its effect: a content header with a property pamqp cannot read costs that
+# property, not the connection (see the module).
+from . import _amqp_properties  # noqa: F401
 from ._amqp_errors import (
     FAILURES,
     LINK_ERRORS,

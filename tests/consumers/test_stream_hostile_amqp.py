@@ -178,3 +178,64 @@ async def test_headers_the_client_reads_but_cannot_write_again_cost_only_their_d
     for letter in letters.values():
         assert letter[DEAD_LETTER_REASON] == "not-json"
         assert letter["vm"] == "web-1"  # what could be written again was kept
+
+
+def _nested_table(depth: int) -> bytes:
+    """Headers of tables within tables, ``depth`` deep (7 bytes a level)."""
+    inner = struct.pack(">I", 0)
+    for _ in range(depth):
+        entry = shortstr(b"a") + b"F" + inner
+        inner = struct.pack(">I", len(entry)) + entry
+    return inner
+
+
+async def test_properties_the_client_cannot_read_cost_no_link_and_no_other_message(
+    rabbit: RabbitMQTransport, amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pamqp raises on some property values the broker passes on as they were published: a
+    string property or header name that is not UTF-8, a timestamp beyond the years a datetime
+    holds, headers nested deeper than Python's recursion limit. It raised while aiormq read the
+    frame, which ended the whole connection (the publishing channel's, every subscription's):
+    the broker delivered the message again after the reconnect, and the link went down again,
+    for as long as the message stayed in the queue. What the client cannot read is left out
+    now (and logged), and the message is judged on its body like any other."""
+    timestamp_overflow = struct.pack(">Q", 2**64 - 1)
+    hostile = {
+        b"message-id-not-utf8": properties(message_id=shortstr(b"\xff\xfe")),
+        b"content-type-not-utf8": properties(content_type=shortstr(b"\xc3\x28")),
+        b"timestamp-overflow": properties(timestamp=timestamp_overflow),
+        b"header-name-not-utf8": properties(headers=table((b"\xff", b"t\x01"))),
+        b"header-timestamp-overflow": properties(
+            headers=table((b"when", b"T" + timestamp_overflow))
+        ),
+        b"headers-too-deep": properties(headers=_nested_table(5000)),
+    }
+    first = transition("scheduled", event("EVT-FIRST"), vm("web-1"))
+    last = transition("scheduled", event("EVT-LAST"), vm("web-1"))
+    await rabbit.declare_group(GROUP)
+    for body, raw_properties in hostile.items():
+        await publish_raw(
+            amqp_url,
+            rabbit.channels.events_exchange,
+            "scheduled.Reboot.web-1",
+            body,
+            raw_properties,
+        )
+    # A good message with unreadable properties is still a good message.
+    await publish_raw(
+        amqp_url,
+        rabbit.channels.events_exchange,
+        first.routing_key,
+        first.to_bytes(),
+        properties(message_id=shortstr(b"\xff"), timestamp=timestamp_overflow),
+    )
+    await rabbit.publish(lifecycle_message(first))  # an agent's repeat
+    await rabbit.publish(lifecycle_message(last))
+    stream = FleetStream(rabbit, GROUP)
+    handled: list[str] = []
+    await _handle_until(stream, last, handled, BOUND)
+    assert handled == [first.id, last.id]
+    assert not [r for r in caplog.records if "lost the link" in r.getMessage()]
+    letters = await _dead_letters(rabbit, len(hostile))
+    assert set(letters) == set(hostile)
+    assert {letter[DEAD_LETTER_REASON] for letter in letters.values()} == {"not-json"}
