@@ -251,10 +251,13 @@ class EventState:
         del self.superseded[approval_id]
         return True
 
-    def set_event(self, event: ScheduledEvent) -> None:
+    def set_event(self, event: ScheduledEvent, version: str | None = None) -> None:
+        """Take ``event``'s content, with its ``version`` when it was computed before (the
+        view's :meth:`FleetView.apply` does, before it changes anything)."""
         # The version first: should it fail, the state keeps the content it was computed for
         # (content judged under another content's version is how a lie becomes an approval).
-        version = event_version(event)
+        if version is None:
+            version = event_version(event)
         self.event = event
         self.version = version
 
@@ -303,6 +306,22 @@ class AgentState:
     @property
     def name(self) -> str:
         return self.identity.name
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """What one message does to the view, worked out before the view changes
+    (:meth:`FleetView._read`)."""
+
+    #: The state of the event it is about (None: about none the view knows or could make).
+    state: EventState | None
+    #: ``state`` is new: the view puts it in.
+    new: bool = False
+    #: A transition's report that replaces the VM's last one.
+    report: VmReport | None = None
+    #: A transition's content, newer than the view's and other, and its version.
+    content: ScheduledEvent | None = None
+    version: str | None = None
 
 
 def _now() -> datetime:
@@ -358,14 +377,28 @@ class FleetView:
 
         A message's time is its sender's word: one dated ahead of this view's clock by more
         than ``clock_skew`` is taken as sent then (its sender could otherwise stay live, and its
-        reports newest, for as long as it pleased)."""
+        reports newest, for as long as it pleased).
+
+        A message is taken whole or not at all. What it does is worked out first, changing
+        nothing (:meth:`_read`: the event's state, a new one's version, the VM's report, newer
+        content and its version); then the view changes, by steps that only put those values
+        in place, so what can fail on what a message says fails before the view changes and
+        leaves it as it was. Half taken (its agent heard, its report kept, its content not),
+        the view was neither before nor after it, and that is what its retry, the next
+        message, or nothing at all (it was dead-lettered) was judged against."""
         at = min(message.time, self.clock() + self.clock_skew)
+        reading = self._read(message, at)
+        # From here on the view changes: whatever below could fail on the message belongs in
+        # _read.
         self._seen_agent(message, at)
-        state: EventState | None = None
+        state = reading.state
+        if state is None:
+            return None
+        if reading.new:
+            self._events[state.event_id] = state
         if isinstance(message, TransitionMessage):
-            state = self._transition(message, at)
+            self._transition(message, state, reading, at)
         elif isinstance(message, HookResultMessage):
-            state = self._state_for(message.data.event, at)
             key = f"{message.data.transition}/{message.data.hook}"
             results = state.hooks.setdefault(message.vm.name.casefold(), {})
             results.pop(key, None)  # the newest last
@@ -374,18 +407,56 @@ class FleetView:
                 del results[next(iter(results))]
             state.last_update = max(state.last_update, at)
         elif isinstance(message, ApprovalOutcomeMessage):
-            event = message.data.event
-            state = self._events.get(message.data.event_id)
-            if state is None and event is not None:
-                state = self._state_for(event, at)
-            if state is not None:
-                vm = message.vm.name.casefold()
-                state.outcomes[(vm, message.id)] = message
-                if len(state.outcomes) > MAX_OUTCOMES_PER_VM:
-                    _bound_outcomes(state, vm)
-        if state is not None:
-            self.refresh(state)
+            vm = message.vm.name.casefold()
+            state.outcomes[(vm, message.id)] = message
+            if len(state.outcomes) > MAX_OUTCOMES_PER_VM:
+                _bound_outcomes(state, vm)
+        self.refresh(state)
         return state
+
+    def _read(self, message: LifecycleMessage, at: datetime) -> _Reading:
+        """What ``message`` does to the view, worked out without changing it (see
+        :meth:`apply`): the state of the event it is about (a new one, not yet in the view,
+        for an event the view does not know: its version is computed here), and for a
+        transition the VM's report, when it is newer than the VM's last, and the event's
+        content and version, when it is newer than the view's and other."""
+        event: ScheduledEvent | None
+        if isinstance(message, TransitionMessage | HookResultMessage):
+            event = message.data.event
+        elif isinstance(message, ApprovalOutcomeMessage):
+            known = self._events.get(message.data.event_id)
+            if known is not None:
+                return _Reading(known)
+            event = message.data.event
+        else:  # an agent's own message: about no event
+            return _Reading(None)
+        if event is None:
+            return _Reading(None)
+        state = self._events.get(event.event_id)
+        new = state is None
+        if state is None:
+            phase = EventPhase.STARTED if event.is_started else EventPhase.SCHEDULED
+            state = EventState(
+                event_id=event.event_id, event=event, phase=phase, first_seen=at, last_update=at
+            )
+        if not isinstance(message, TransitionMessage):
+            return _Reading(state, new)
+        vm = message.vm.name
+        report: VmReport | None = None
+        previous = state.reports.get(vm)
+        if previous is None or at >= previous.at:
+            report = VmReport(
+                vm=vm,
+                kind=message.kind,
+                status=event.event_status,
+                at=at,
+                message_id=message.id,
+                listed=event.affects(vm),
+                resources=frozenset(resource.casefold() for resource in event.resources),
+            )
+        if at >= state.last_update and state.event != event:  # the newest content wins
+            return _Reading(state, new, report, event, event_version(event))
+        return _Reading(state, new, report)
 
     def _seen_agent(self, message: LifecycleMessage, at: datetime) -> None:
         data = message.data
@@ -418,33 +489,15 @@ class FleetView:
         else:
             agent.online = True
 
-    def _state_for(self, event: ScheduledEvent, at: datetime) -> EventState:
-        state = self._events.get(event.event_id)
-        if state is None:
-            phase = EventPhase.STARTED if event.is_started else EventPhase.SCHEDULED
-            state = self._events[event.event_id] = EventState(
-                event_id=event.event_id, event=event, phase=phase, first_seen=at, last_update=at
-            )
-        return state
-
-    def _transition(self, message: TransitionMessage, at: datetime) -> EventState:
+    def _transition(
+        self, message: TransitionMessage, state: EventState, reading: _Reading, at: datetime
+    ) -> None:
         event = message.data.event
-        state = self._state_for(event, at)
-        vm = message.vm.name
-        previous = state.reports.get(vm)
-        if previous is None or at >= previous.at:
-            state.reports[vm] = VmReport(
-                vm=vm,
-                kind=message.kind,
-                status=event.event_status,
-                at=at,
-                message_id=message.id,
-                listed=event.affects(vm),
-                resources=frozenset(resource.casefold() for resource in event.resources),
-            )
+        if reading.report is not None:
+            state.reports[message.vm.name] = reading.report
         if at >= state.last_update:  # the newest content wins
-            if state.event != event:
-                state.set_event(event)
+            if reading.content is not None:
+                state.set_event(reading.content, reading.version)
             state.last_update = at
         listed = _listed(state)
         if listed != state.listed:
@@ -460,7 +513,6 @@ class FleetView:
                 state.phase = phase
         if state.event_id in self._ending and not self._replaying:
             self._end_if_over(state)
-        return state
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:

@@ -21,6 +21,7 @@ from consumers._db import DatabaseError, WriteConflict, open_database
 from schemas import (
     Approval,
     ReplyAddress,
+    ScheduledEvent,
     TransportError,
     event_version,
     key_id,
@@ -909,3 +910,83 @@ async def test_an_event_listing_its_vm_twice_is_approved_once_its_group_has_room
     assert second is not None, "EVT-B left to NotBefore with room in S"
     assert second.event_id == "EVT-B"
     assert service.stream.stats.retried == 0  # no handler failed on the way
+
+
+@pytest.mark.parametrize("fails", ["once", "always"])
+async def test_a_report_the_view_failed_to_take_changes_no_decision(monkeypatch, fails):
+    """Scale set S, at most two VMs down. EVT-A (web-1, web-2) was approved and started on
+    both, so EVT-B on web-3 waits. web-2's ``completed`` fails in the fleet view (injected:
+    the version of the content it carries raises; no real input is known to make applying a
+    message raise any more). The view kept web-2's report (completed) and not the rest; with
+    the message dead-lettered after its retries, web-1's ``completed`` then ended EVT-A, freed
+    S and approved EVT-B while, as far as the approver had taken in, web-2 was still in
+    maintenance. Now a message the view failed to take changed nothing: retried, it gives
+    what it gives on a view that never failed (EVT-A over, EVT-B approved); dead-lettered,
+    what it gives had it never come (web-2 still down, EVT-B waits)."""
+    from consumers import _fleet
+    from consumers._policies import parse_policy
+
+    policy = parse_policy(
+        {
+            "approve": {"user_initiated": {}},
+            "max_unavailable": {"group_by": "scale_set", "count": 2},
+        }
+    )
+    now = datetime.now(UTC)
+    web1, web2, web3 = (vm(f"web-{n}", scale_set="S") for n in (1, 2, 3))
+    later = now + timedelta(minutes=15)
+    a = event("EVT-A", source="User", resources=("web-1", "web-2"), not_before=later)
+    a_started = event("EVT-A", source="User", status="Started", resources=("web-1", "web-2"))
+    # What web-2 last saw differs from the view's content (its description): the view takes
+    # it, and computes its version.
+    a_seen_by_web2 = ScheduledEvent.from_imds({**a_started.to_imds(), "Description": "done"})
+    b = event("EVT-B", source="User", resources=("web-3",), not_before=later)
+    failed: list[str] = []
+
+    def version(ev: ScheduledEvent) -> str:
+        if ev == a_seen_by_web2 and (fails == "always" or not failed):
+            failed.append(ev.event_id)
+            raise RuntimeError("injected: the version of web-2's content could not be computed")
+        return event_version(ev)
+
+    monkeypatch.setattr(_fleet, "event_version", version)
+    async with MemoryTransport(f"half-{uuid.uuid4().hex}") as transport:
+        service = ApproverService(transport, generate_signing_key(), policy)
+        await transport.declare_group("approver")
+        runner = asyncio.create_task(service.run())
+        opening: list[LifecycleMessage] = [heartbeat(who, at=now) for who in (web1, web2, web3)]
+        for message in (*opening, transition("scheduled", a, web1, at=now)):
+            await transport.publish(lifecycle_message(message))
+        first = await _first_approval(transport, "web-1", 2)
+        assert first is not None
+        assert first.event_id == "EVT-A"
+        for message in (
+            transition("started", a_started, web1, at=now + timedelta(seconds=1)),
+            transition("started", a_started, web2, at=now + timedelta(seconds=1)),
+            transition("scheduled", b, web3, at=now + timedelta(seconds=1)),
+            transition("completed", a_seen_by_web2, web2, at=now + timedelta(seconds=2)),
+        ):
+            await transport.publish(lifecycle_message(message))
+        stats = service.stream.stats
+        async with asyncio.timeout(10):
+            while stats.handled + stats.dead_lettered < 8:  # noqa: ASYNC110 - the counters
+                await asyncio.sleep(0.01)
+        assert failed
+        assert stats.dead_lettered == (1 if fails == "always" else 0)
+        done = transition("completed", a_started, web1, at=now + timedelta(seconds=3))
+        await transport.publish(lifecycle_message(done))
+        second = await _first_approval(transport, "web-3", 1.5)
+        service.stop()
+        await asyncio.wait_for(runner, 5)
+    state = service.fleet.event("EVT-A")
+    assert state is not None
+    if fails == "once":  # retried: as on a view that never failed
+        assert state.completed
+        assert second is not None
+        assert second.event_id == "EVT-B"
+        assert service.fleet.down_in("scale_set", "S") == {"web-3"}
+    else:  # dead-lettered: as if it had never come
+        assert not state.completed
+        assert second is None, "EVT-B approved while web-2's end was never taken"
+        assert service.fleet.down_in("scale_set", "S") == {"web-1", "web-2"}
+        assert state.reports["web-2"].kind.value == "started"

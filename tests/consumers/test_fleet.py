@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+import copy
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
 
 from consumers import EventPhase, FleetView
+from consumers import _fleet as fleet_module
 from consumers._fleet import MAX_HOOKS_PER_VM, MAX_OUTCOMES_PER_VM
-from schemas import MessageType
+from schemas import LifecycleMessage, MessageType, event_version
 
 from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
 
@@ -230,3 +235,77 @@ def test_a_vm_inventing_hook_names_and_approval_ids_does_not_grow_its_event():
     assert "scheduled/hook-2999" in state.hooks["web-1"]  # the newest kept
     assert len(state.outcomes) == MAX_OUTCOMES_PER_VM
     assert state.approved  # the applied outcome was not pushed out
+
+
+def _picture(view: FleetView) -> dict[str, Any]:
+    """Everything the view holds (events, agents, the unavailable index, the changes not yet
+    taken), as a copy to compare with later."""
+    return copy.deepcopy(vars(view))
+
+
+def _a_minute_in() -> datetime:
+    return T0 + timedelta(minutes=1)
+
+
+def _fleet_with_history() -> FleetView:
+    """Scale set S: EVT-1 on web-1 and web-2, approved and applied (both down); web-1's agent
+    heard from."""
+    view = FleetView(clock=_a_minute_in)
+    web1, web2 = vm("web-1", scale_set="S"), vm("web-2", scale_set="S")
+    ev = event("EVT-1", source="User", resources=("web-1", "web-2"))
+    view.apply(heartbeat(web1, at=T0))
+    view.apply(transition("scheduled", ev, web1, at=T0))
+    view.apply(transition("scheduled", ev, web2, at=T0))
+    view.apply(outcome(web1, ev, at=T0 + timedelta(seconds=1)))
+    return view
+
+
+_LATER = T0 + timedelta(seconds=30)
+_MOVED = event(
+    "EVT-1",
+    source="User",
+    resources=("web-1", "web-2", "web-3"),
+    not_before=T0 + timedelta(hours=2),
+)
+_OTHER = event("EVT-2", resources=("web-3",))
+_FAILING: dict[str, LifecycleMessage] = {
+    "a-newer-report-of-other-content": transition(
+        "updated", _MOVED, vm("web-2", scale_set="S"), at=_LATER
+    ),
+    "a-new-event-from-a-new-vm": transition("scheduled", _OTHER, vm("web-3", zone="2"), at=_LATER),
+    "a-hook-result-of-a-new-event": hook(vm("web-2", scale_set="T"), _OTHER, at=_LATER),
+    "an-outcome-of-a-new-event": outcome(vm("web-1", scale_set="S"), _OTHER, at=_LATER),
+}
+
+
+@pytest.mark.parametrize("name", list(_FAILING))
+def test_a_message_that_fails_to_apply_leaves_the_view_as_it_was(monkeypatch, name):
+    """A message is taken whole or not at all. Half taken (the agent heard, the VM's report
+    kept, the event not), the view was neither before nor after it: the stream's retry, the
+    next message, or nothing (a message dead-lettered after its retries) was judged against
+    it. The failure is injected (the event's version raises once) because no real input is
+    known to make applying a message raise any more: a NotBefore with no UTC equivalent did,
+    and is now kept as text."""
+    message = _FAILING[name]
+    view, twin = _fleet_with_history(), _fleet_with_history()
+    before = _picture(view)
+    failures = [RuntimeError("injected: the event's version could not be computed")]
+
+    def version_failing_once(ev: Any) -> str:
+        if failures:
+            raise failures.pop()
+        return event_version(ev)
+
+    monkeypatch.setattr(fleet_module, "event_version", version_failing_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        view.apply(message)
+    assert not failures  # the step did run, and failed
+    assert _picture(view) == before
+    # The retry (or the next message) finds the view as if the message had never come: it
+    # ends as on a view that never failed.
+    view.apply(message)
+    twin.apply(message)
+    assert _picture(view) == _picture(twin)
+    state = view.event(message.subject or "")
+    assert state is not None
+    assert state.version == event_version(state.event)
