@@ -218,6 +218,8 @@ class StateStore:
         self._owns_executor = owns_executor
         self.limit = limit
         self.path: Path | None = None
+        #: The hook runs (rowids) found unreadable and logged so: once each, not at each read.
+        self._hook_rows_reported: set[int] = set()
 
     @classmethod
     async def open(
@@ -382,8 +384,9 @@ class StateStore:
     # --------------------------------------------------------------------------- hooks
 
     async def hook_runs(self) -> list[HookRun]:
-        """Runs not done, in the order they were queued."""
-        found: list[HookRun] = await self._run(_hook_runs)
+        """Runs not done, in the order they were queued. A run that cannot be read is left
+        out (and left in the store), with an error naming it the first time it is met."""
+        found: list[HookRun] = await self._run(_hook_runs, self._hook_rows_reported)
         return found
 
     async def hook_started(self, run_id: str, attempt: int) -> None:
@@ -542,8 +545,8 @@ def _why(exc: BaseException) -> str:
     return lines[0][:160]
 
 
-def _shown(raw: str) -> str:
-    return repr(raw) if len(raw) <= 40 else f"{raw[:40]!r}... ({len(raw)} characters)"
+def _shown(raw: str, limit: int = 40) -> str:
+    return repr(raw) if len(raw) <= limit else f"{raw[:limit]!r}... ({len(raw)} characters)"
 
 
 def _where(path: Path | None) -> str:
@@ -907,14 +910,61 @@ def _applied_by(db: sqlite3.Connection, event_id: str) -> str | None:
     return None if row is None else str(row[0])
 
 
-def _hook_runs(db: sqlite3.Connection) -> list[HookRun]:
+#: A hook run's states (``done`` is no longer written: a run that reported is deleted).
+_HOOK_STATES = frozenset({"queued", "running", "done"})
+
+
+def _hook_runs(db: sqlite3.Connection, reported: set[int]) -> list[HookRun]:
     cursor = db.execute(
-        "SELECT run_id, hook, transition_id, body, state, attempt FROM hook_runs "
-        "ORDER BY position, run_id"
+        f"SELECT rowid, {_cells('run_id', 'hook', 'transition_id', 'body', 'state', 'attempt')} "
+        "FROM hook_runs ORDER BY position, run_id"
     )
-    return [
-        HookRun(str(r), str(h), str(t), bytes(b), str(s), int(a)) for r, h, t, b, s, a in cursor
-    ]
+    found = []
+    for row in cursor:
+        try:
+            found.append(_hook_run(row))
+        except _Unreadable as exc:
+            # Written by this agent with these types: a row of another shape was edited or
+            # damaged. Raising here ended the hook runner, and the agent, at every start (and
+            # the runs after it never ran); an unknown state was passed over without a word.
+            rowid = int(row[0])
+            if rowid in reported:
+                continue
+            reported.add(rowid)
+            log.error(
+                "the stored hook run %s (row %d of hook_runs) cannot be read (%s): left as it "
+                "is, not run and no result reported for it (a policy waiting for it leaves its "
+                "event to NotBefore); the other runs go on",
+                _run_name(row),
+                rowid,
+                exc,
+            )
+    return found
+
+
+def _hook_run(row: Sequence[Any]) -> HookRun:
+    state = _text_cell("state", row[9], row[10])
+    if state not in _HOOK_STATES:
+        raise _Unreadable(f"state is {_shown(state)}, not one of {', '.join(sorted(_HOOK_STATES))}")
+    attempt = row[12]
+    # The next attempt is stored as this one plus 1: it must be a number SQLite still holds.
+    if row[11] != "integer" or not 0 <= attempt < MAX_SEQUENCE:
+        raise _Unreadable(f"attempt is {_described(row[11], attempt)}, not an attempt number")
+    return HookRun(
+        run_id=_text_cell("run_id", row[1], row[2]),
+        hook=_text_cell("hook", row[3], row[4]),
+        transition_id=_text_cell("transition_id", row[5], row[6]),
+        body=_bytes_cell("body", row[7], row[8]),
+        state=state,
+        attempt=int(attempt),
+    )
+
+
+def _run_name(row: Sequence[Any]) -> str:
+    try:
+        return _shown(_text_cell("run_id", row[1], row[2]), 200)
+    except _Unreadable:
+        return "with no readable run_id"
 
 
 def _hook_started(db: sqlite3.Connection, run_id: str, attempt: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import sys
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 
 from publisher._state import STATE_FILE, StateStore
 from schemas import (
+    HookResultMessage,
     ReplyAddress,
     ScheduledEventsDocument,
     TransitionMessage,
@@ -28,7 +30,7 @@ from schemas import (
 from schemas.channels import ChannelNames
 
 from .conftest import Broker
-from .harness import eventually, recorder, running, settings_for, simulator_server
+from .harness import Recorder, eventually, recorder, running, settings_for, simulator_server
 
 
 def _memory(name: str) -> Broker:
@@ -149,3 +151,97 @@ async def test_an_unreadable_outbox_row_is_set_aside_and_the_rows_behind_it_are_
     assert _rows(state, "SELECT sequence, why FROM outbox_set_aside") == [
         (bad.sequence, b"unreadable")
     ]
+
+
+# ------------------------------------------------------------------------------- hook runs
+
+
+def _hook_result_of(rec: Recorder, transition: TransitionMessage) -> HookResultMessage | None:
+    found = [
+        m
+        for m in rec.messages
+        if isinstance(m, HookResultMessage)
+        and m.data.event.event_id == transition.data.event.event_id
+    ]
+    return found[0] if found else None
+
+
+async def _queued_hooks(state: Path, count: int, command: str) -> list[TransitionMessage]:
+    """A state dir with ``count`` transitions already published and a run of ``command`` queued
+    for each (the agent stopped before it ran them)."""
+    transitions = _transitions(count)
+    store = await StateStore.open(state)
+    try:
+        committed = await store.commit(
+            transitions, hooks=[(n, f"scheduled={command}") for n in range(count)]
+        )
+        for row in committed.rows:
+            await store.delete(row.sequence)
+    finally:
+        await store.close()
+    return transitions
+
+
+#: Damage to one hook run (``{transition}``: its transition's id), and what the error says of it.
+HOOK_RUN_DAMAGE = {
+    "attempt-text": (
+        "UPDATE hook_runs SET attempt = 'x' WHERE transition_id = '{transition}'",
+        "attempt",
+    ),
+    "attempt-last": (
+        f"UPDATE hook_runs SET attempt = {2**63 - 1} WHERE transition_id = '{{transition}}'",
+        "attempt",
+    ),
+    "body-text": (
+        "UPDATE hook_runs SET body = 'text, not bytes' WHERE transition_id = '{transition}'",
+        "body",
+    ),
+    "state-unknown": (
+        "UPDATE hook_runs SET state = 'paused' WHERE transition_id = '{transition}'",
+        "state",
+    ),
+    "hook-bytes": (
+        "UPDATE hook_runs SET hook = x'00' WHERE transition_id = '{transition}'",
+        "hook",
+    ),
+    "id-not-utf8": (
+        "UPDATE hook_runs SET run_id = CAST(x'ff' AS TEXT) WHERE transition_id = '{transition}'",
+        "run_id",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(HOOK_RUN_DAMAGE.values()), ids=list(HOOK_RUN_DAMAGE))
+async def test_an_unreadable_hook_run_is_left_with_an_error_and_the_other_runs_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: tuple[str, str]
+) -> None:
+    """Two hook runs wait from the last run; the first one's row was damaged. Before, reading
+    the runs raised (int('x'), bytes() of text, the cursor on text that is not UTF-8; the
+    last attempt number had no next one to store), which ended the hook runner and the agent
+    at every start, and the second hook never ran; an unknown state was passed over without a
+    word. Now that row is left as it is with an error naming it, and the second hook runs (a
+    real command) and its result is published."""
+    statement, column = damage
+    broker = _memory("hook-damaged")
+    state = tmp_path / "state"
+    ran = tmp_path / "ran"
+    first, second = await _queued_hooks(
+        state, 2, f"{sys.executable} -c \"open({str(ran)!r}, 'a').write('x')\""
+    )
+    _sql(state, statement.format(transition=first.id))
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        settings = settings_for(server, "web-7", broker.url, broker.channels, state)
+        with caplog.at_level(logging.ERROR, logger="publisher"):
+            async with running(settings):
+                await rec.wait_for(lambda ms: _hook_result_of(rec, second) is not None, within=15)
+    result = _hook_result_of(rec, second)
+    assert result is not None
+    assert result.data.outcome == "ok"
+    assert ran.read_text() == "x"  # the damaged run's hook did not run
+    assert _hook_result_of(rec, first) is None
+    (said,) = [r.getMessage() for r in caplog.records if "hook run" in r.getMessage()]
+    assert "cannot be read" in said
+    assert column in said
+    assert "left as it is" in said
+    left = _rows(state, "SELECT transition_id FROM hook_runs")
+    assert left == [(first.id.encode(),)]
