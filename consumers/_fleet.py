@@ -308,7 +308,7 @@ class AgentState:
         return self.identity.name
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per message, and frozen costs a microsecond
 class _Reading:
     """What one message does to the view, worked out before the view changes
     (:meth:`FleetView._read`)."""
