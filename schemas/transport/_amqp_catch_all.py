@@ -31,7 +31,14 @@ import aiormq.exceptions
 
 from .._errors import ConfigError
 from ..channels import ChannelNames
-from ._amqp_errors import FAILURES, config_error, is_spurious_cancel, reason, unabandoned
+from ._amqp_errors import (
+    FAILURES,
+    config_error,
+    initialized,
+    is_spurious_cancel,
+    reason,
+    unabandoned,
+)
 
 __all__ = [
     "ALTERNATE_EXCHANGE",
@@ -110,7 +117,7 @@ async def drain(
     channel = aio_pika.Channel(connection, publisher_confirms=False)
     drained = 0
     try:
-        await unabandoned(channel.initialize(), step_timeout, then=channel.close)
+        await initialized(channel, step_timeout)
         async with asyncio.timeout(step_timeout):
             raw = await channel.get_underlay_channel()
             declared = await raw.queue_declare(name, passive=True)

@@ -23,6 +23,7 @@ __all__ = [
     "MESSAGE_REFUSALS",
     "REFUSALS",
     "config_error",
+    "initialized",
     "is_spurious_cancel",
     "reason",
     "refused",
@@ -132,6 +133,23 @@ async def unabandoned(
             _LEFT_RUNNING.add(task)
             task.add_done_callback(lambda done: _finished_late(done, then))
         raise
+
+
+async def initialized(channel: Any, timeout: float) -> None:  # noqa: ASYNC109
+    """Open ``channel`` (an aio-pika channel), as :func:`unabandoned` does.
+
+    When the connection under it has closed (the link dropped, and the robust connection has
+    not reconnected yet) aiormq raises a bare ``RuntimeError("<Connection ...> closed")``: that
+    is a lost link, raised here as a :class:`ConnectionError` (one of :data:`LINK_ERRORS`), so
+    that every caller waits and tries again as it does for any other. Uncaught, it ended an
+    agent whose link dropped between declaring its approvals queue and consuming it.
+    """
+    try:
+        await unabandoned(channel.initialize(), timeout, then=channel.close)
+    except RuntimeError as exc:
+        if not str(exc).endswith(" closed"):
+            raise
+        raise ConnectionError(f"the link closed before a channel opened: {exc}") from exc
 
 
 def _finished_late(task: asyncio.Future[Any], then: Callable[[], Awaitable[object]] | None) -> None:

@@ -85,6 +85,7 @@ from ._amqp_errors import (
     MESSAGE_REFUSALS,
     REFUSALS,
     config_error,
+    initialized,
     is_spurious_cancel,
     reason,
     refused,
@@ -168,8 +169,8 @@ class RabbitMQTransport(AsyncResource):
         try:
             await self._declare_topology()
             channel = connection.channel(publisher_confirms=True, on_return_raises=True)
+            await initialized(channel, settings.connect_timeout)
             async with asyncio.timeout(settings.connect_timeout):
-                await channel.initialize()
                 # Declared on the robust channel too, so a reconnect re-declares them.
                 await self._declare_exchanges(channel)
         except BaseException as exc:
@@ -445,9 +446,7 @@ class RabbitMQTransport(AsyncResource):
             async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
                 await connection.ready()
             channel = aio_pika.Channel(connection, publisher_confirms=False)
-            await unabandoned(
-                channel.initialize(), self.settings.confirm_timeout, then=channel.close
-            )
+            await initialized(channel, self.settings.confirm_timeout)
             try:
                 async with asyncio.timeout(self.settings.confirm_timeout):
                     await steps(channel)
@@ -567,9 +566,7 @@ class RabbitMQTransport(AsyncResource):
         connection, _ = self._require()
         channel = connection.channel(publisher_confirms=False)
         try:
-            await unabandoned(
-                channel.initialize(), self.settings.confirm_timeout, then=channel.close
-            )
+            await initialized(channel, self.settings.confirm_timeout)
             async with asyncio.timeout(self.settings.confirm_timeout):
                 await channel.set_qos(prefetch_count=prefetch)
         except FAILURES as exc:
