@@ -271,20 +271,37 @@ class HookRunner:
         attempt: int,
     ) -> None:
         self._metrics.hooks.labels(outcome.value).inc()
-        data = HookResultData(
-            vm=self._identity,
-            event=message.data.event,
-            transition=message.kind.value,
-            hook=_text(run.hook.partition("=")[2] or run.hook),
-            exit_code=exit_code,
-            timed_out=timed_out,
-            duration_seconds=round(duration, 3),
-            output_tail=_text(output[-_TAIL:].decode("utf-8", "replace")),
-            reply_to=self._reply_to,
-            outcome=outcome.value,
-            transition_id=run.transition_id,
-            attempt=max(attempt, 1),
-        )
-        result = HookResultMessage.build(data, observed_at=datetime.now(UTC))
+        command = run.hook.partition("=")[2] or run.hook
+        try:
+            data = HookResultData(
+                vm=self._identity,
+                event=message.data.event,
+                transition=message.kind.value,
+                hook=_text(command),
+                exit_code=exit_code,
+                timed_out=timed_out,
+                duration_seconds=round(duration, 3),
+                output_tail=_text(output[-_TAIL:].decode("utf-8", "replace")),
+                reply_to=self._reply_to,
+                outcome=outcome.value,
+                transition_id=run.transition_id,
+                attempt=max(attempt, 1),
+            )
+            result = HookResultMessage.build(data, observed_at=datetime.now(UTC))
+        except Exception:
+            # A result the contract refuses is a defect of this code, met by this run alone:
+            # raised, it ended the runner (and the agent), and the stored run did the same at
+            # every start, so no later hook ever reported. It costs this run's report only.
+            log.exception(
+                "the result of hook %r for %s %s (outcome %s) cannot be built: not reported, "
+                "and the run is marked done so it is not run again (a policy waiting for it "
+                "leaves the event to NotBefore); the other runs go on",
+                command,
+                message.kind.value,
+                message.data.event.event_id,
+                outcome.value,
+            )
+            await self._store.commit([], hook_done=run.run_id)
+            return
         await self._store.commit([result], hook_done=run.run_id)
         self._committed()

@@ -6,19 +6,23 @@ published. The simulator over HTTP, the in-memory broker."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+import publisher._hooks
 from publisher import HookSpec
 from publisher._state import StateStore
 from publisher.simulator import EventSpec, EventType
 from schemas import (
+    HookResultData,
     HookResultMessage,
     MessageType,
     ReplyAddress,
@@ -220,3 +224,61 @@ async def test_a_hook_command_longer_than_200_characters_is_reported(tmp_path: P
     (result,) = _results(rec)
     assert result.data.outcome == "ok"
     assert result.data.hook == hook.command
+
+
+async def test_a_result_the_contract_refuses_costs_that_run_not_the_hook_runner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hook result that cannot be built (the contract refusing it) raised out of the hook
+    runner: the runner ended, the agent with it, and the run, stored, failed the same way at
+    every start; no later hook ever reported. Now that run is logged with its traceback and
+    marked done (not run again), and the next hook runs and reports.
+
+    No input reaches this in this version (what the result carries is the transition's own,
+    checked, or replaced: NUL, bad UTF-8), so the contract's refusal of one result is made
+    here, by a stand-in for HookResultMessage in the hook runner: the one thing not real."""
+    broker, channels = _broker("hook-refused")
+    state = tmp_path / "state"
+    script = tmp_path / "hook.py"
+    script.write_text("import os; print('drained', os.environ['EVENT_ID'])")
+    hook = HookSpec(frozenset({TransitionKind.SCHEDULED}), f"{sys.executable} {script}")
+    refused: list[str] = []
+
+    class Refusing:
+        @staticmethod
+        def build(data: HookResultData, **kwargs: Any) -> HookResultMessage:
+            if not refused:
+                refused.append(data.event.event_id)
+                raise ValueError("1 validation error for HookResultData (made by the test)")
+            return HookResultMessage.build(data, **kwargs)
+
+    monkeypatch.setattr(publisher._hooks, "HookResultMessage", Refusing)
+    async with simulator_server("web-7") as server, recorder(broker, channels) as rec:
+        settings = settings_for(
+            server, "web-7", broker, channels, state, hooks=(hook,), poll_interval=0.2
+        )
+        with caplog.at_level(logging.ERROR, logger="publisher"):
+            async with running(settings):
+                hooks = next(t for t in asyncio.all_tasks() if t.get_name() == "agent-hooks")
+                first = server.simulator.add_event(
+                    EventSpec(event_type=EventType.FREEZE, not_before_seconds=900)
+                )
+                await eventually(lambda: bool(refused), 10)
+                second = server.simulator.add_event(
+                    EventSpec(event_type=EventType.FREEZE, not_before_seconds=900)
+                )
+                await rec.wait_kind(MessageType.HOOK_COMPLETED, within=10)
+                assert not hooks.done(), f"the hook runner ended: {hooks.exception()!r}"
+    assert refused == [first.event_id]
+    (result,) = _results(rec)
+    assert result.data.event.event_id == second.event_id
+    assert result.data.outcome == "ok"
+    (said,) = [r for r in caplog.records if "cannot be built" in r.getMessage()]
+    assert said.exc_info is not None  # with its traceback
+    assert first.event_id in said.getMessage()
+    assert "not run again" in said.getMessage()
+    store = await StateStore.open(state)
+    try:
+        assert await store.hook_runs() == []  # marked done: not tried again at the next start
+    finally:
+        await store.close()
