@@ -284,7 +284,10 @@ class HookRunner:
                 output_tail=_text(output[-_TAIL:].decode("utf-8", "replace")),
                 reply_to=self._reply_to,
                 outcome=outcome.value,
-                transition_id=run.transition_id,
+                # The transition's own id (from the body the contract checked), not the run
+                # row's copy of it: an edited cell went into the result (one with a NUL made
+                # it unpublishable).
+                transition_id=message.id,
                 attempt=max(attempt, 1),
             )
             result = HookResultMessage.build(data, observed_at=datetime.now(UTC))

@@ -245,3 +245,31 @@ async def test_an_unreadable_hook_run_is_left_with_an_error_and_the_other_runs_g
     assert "left as it is" in said
     left = _rows(state, "SELECT transition_id FROM hook_runs")
     assert left == [(first.id.encode(),)]
+
+
+@pytest.mark.parametrize(
+    "transition_id",
+    ["'a' || char(0) || 'b'", "'" + "x" * 300 + "'", "'another-transition'"],
+    ids=["nul", "long", "another"],
+)
+async def test_a_hook_runs_result_names_its_transition_whatever_the_run_row_says(
+    tmp_path: Path, transition_id: str
+) -> None:
+    """The result named its transition with the run row's transition_id cell, not with the id
+    of the transition it ran for (the body, which the contract checked): an edited or damaged
+    cell went into the result (one with a NUL made it unpublishable: set aside, never seen).
+    Now the result carries the transition's own id."""
+    broker = _memory("hook-transition-id")
+    state = tmp_path / "state"
+    (transition,) = await _queued_hooks(state, 1, f"{sys.executable} -c pass")
+    _sql(state, f"UPDATE hook_runs SET transition_id = {transition_id}")
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        settings = settings_for(server, "web-7", broker.url, broker.channels, state)
+        async with running(settings) as agent:
+            await rec.wait_for(lambda ms: _hook_result_of(rec, transition) is not None, 10)
+            assert agent._outbox is not None
+            assert agent._outbox.set_aside == 0
+    result = _hook_result_of(rec, transition)
+    assert result is not None
+    assert result.data.outcome == "ok"
+    assert result.data.transition_id == transition.id
