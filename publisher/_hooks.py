@@ -169,6 +169,8 @@ class HookRunner:
         )
         message = self._transition(run)
         if message is None:
+            # Said to be dropped, so dropped now (it was left, and said so again at each start).
+            await self._store.commit([], hook_done=run.run_id)
             return
         await self._report(
             run, message, HookOutcome.INTERRUPTED, None, False, 0.0, b"", run.attempt

@@ -9,6 +9,7 @@ for the outbox: the rows behind the bad one are on the broker)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 import sys
@@ -273,3 +274,22 @@ async def test_a_hook_runs_result_names_its_transition_whatever_the_run_row_says
     assert result is not None
     assert result.data.outcome == "ok"
     assert result.data.transition_id == transition.id
+
+
+async def test_an_interrupted_run_whose_transition_cannot_be_read_is_dropped_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run cut off by a restart whose stored transition is no message: said to be dropped,
+    it was left in the store (until some later transition woke the runner), and said to be
+    dropped again at every start. Now it is removed when it is said to be."""
+    broker = _memory("hook-interrupted")
+    state = tmp_path / "state"
+    await _queued_hooks(state, 1, f"{sys.executable} -c pass")
+    _sql(state, "UPDATE hook_runs SET state = 'running', attempt = 1, body = x'00ff'")
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels):
+        settings = settings_for(server, "web-7", broker.url, broker.channels, state)
+        with caplog.at_level(logging.ERROR, logger="publisher"):
+            async with running(settings):
+                await eventually(lambda: any("dropped" in r.getMessage() for r in caplog.records))
+                await asyncio.sleep(0.2)
+    assert _rows(state, "SELECT run_id FROM hook_runs") == []
