@@ -91,6 +91,7 @@ from azure.servicebus.aio import (
     ServiceBusReceiver,
     ServiceBusSender,
 )
+from azure.servicebus.amqp import AmqpMessageBodyType
 from azure.servicebus.exceptions import (
     MessageSizeExceededError,
     MessagingEntityNotFoundError,
@@ -274,15 +275,28 @@ def _binary_names(raw: Mapping[Any, Any]) -> set[str]:
     return set()
 
 
+#: Where Service Bus says why it dead-lettered a message, and the contract's names for them.
+_DEAD_LETTER_PROPERTIES = {
+    "DeadLetterReason": DEAD_LETTER_REASON,
+    "DeadLetterErrorDescription": DEAD_LETTER_DESCRIPTION,
+}
+
+
 def _received_properties(message: ServiceBusReceivedMessage) -> dict[str, PropertyValue]:
     """The SDK hands back keys and text values as ``bytes``: text again, except the values
     :func:`_outgoing_properties` sent as base64, which become bytes again."""
     raw: Mapping[Any, Any] = message.application_properties or {}
     binary = _binary_names(raw)
     out: dict[str, Any] = {}
+    dead: dict[str, str] = {}
     for key, value in raw.items():
         name = _text(key)
-        if name in (BINARY_PROPERTIES, "DeadLetterReason", "DeadLetterErrorDescription"):
+        if name == BINARY_PROPERTIES:
+            continue
+        if name in _DEAD_LETTER_PROPERTIES:
+            # Read here, not with the SDK's dead_letter_reason, which raises on a value that
+            # is not UTF-8 (a sender can set these on any message).
+            dead[_DEAD_LETTER_PROPERTIES[name]] = _text(value)
             continue
         if name in binary:
             try:
@@ -291,19 +305,31 @@ def _received_properties(message: ServiceBusReceivedMessage) -> dict[str, Proper
             except (binascii.Error, ValueError):
                 log.debug("property %r is not the base64 it claims to be; kept as text", name)
         out[name] = value if isinstance(value, int | float | bool) else _text(value)
-    if message.dead_letter_reason is not None:
-        out[DEAD_LETTER_REASON] = message.dead_letter_reason
-        out[DEAD_LETTER_DESCRIPTION] = message.dead_letter_error_description or ""
+    if DEAD_LETTER_REASON in dead:
+        out[DEAD_LETTER_REASON] = dead[DEAD_LETTER_REASON]
+        out[DEAD_LETTER_DESCRIPTION] = dead.get(DEAD_LETTER_DESCRIPTION, "")
     return out
 
 
 def _body(message: ServiceBusReceivedMessage) -> bytes:
+    """The body's bytes: its data sections joined (or a text value, as UTF-8). Any other AMQP
+    body (a value of another type, sequences), which a sender can choose, carries no message
+    of the contract: it reads as empty, so a consumer dead-letters it, and Service Bus keeps
+    the original in the dead-letter queue."""
     body: Any = message.body
     if isinstance(body, bytes):
         return body
     if isinstance(body, str):
-        return body.encode()
-    return b"".join(body)  # data sections
+        return body.encode(errors="replace")
+    if message.body_type == AmqpMessageBodyType.DATA:
+        return b"".join(body)  # data sections
+    log.warning(
+        "message %s has an AMQP %s body (%s), not data: read as empty",
+        _text(message.message_id or "(no id)")[:200],
+        str(message.body_type.value),
+        type(body).__name__,
+    )
+    return b""
 
 
 #: Between a message's id and its origin key's digest in the id Service Bus sees.
