@@ -194,7 +194,11 @@ class AmqpDelivery:
 
     @property
     def delivery_count(self) -> int:
-        # Quorum queues count returns; classic queues only say "delivered before".
+        # Quorum queues count returns; classic queues only say "delivered before". A quorum
+        # queue writes its count only on a redelivery: on a first delivery the header is the
+        # publisher's own, whatever it says.
+        if not self._deliver.redelivered:
+            return 0
         count = self._headers.get(_DELIVERY_COUNT)
         if isinstance(count, int) and not isinstance(count, bool):
             return count

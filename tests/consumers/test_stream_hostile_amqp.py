@@ -239,3 +239,38 @@ async def test_properties_the_client_cannot_read_cost_no_link_and_no_other_messa
     letters = await _dead_letters(rabbit, len(hostile))
     assert set(letters) == set(hostile)
     assert {letter[DEAD_LETTER_REASON] for letter in letters.values()} == {"not-json"}
+
+
+async def test_a_delivery_count_the_publisher_wrote_is_not_taken_for_the_brokers(
+    rabbit: RabbitMQTransport, amqp_url: str
+) -> None:
+    """RabbitMQ's quorum queue writes ``x-delivery-count`` only on a redelivery: on the first,
+    a header the publisher wrote under that name reached the consumer as the broker's count. A
+    message published with it at 7 was taken for its 8th attempt: a handler that failed once
+    had it dead-lettered at once, "failed 8 times", and every such message made the consumers
+    ask their database whether another process had handled it."""
+    message = transition("scheduled", event("EVT-COUNTED"), vm("web-1"))
+    await rabbit.declare_group(GROUP)
+    outgoing = lifecycle_message(message)
+    await publish_raw(
+        amqp_url,
+        rabbit.channels.events_exchange,
+        outgoing.routing_key,
+        outgoing.body,
+        properties(headers=table((b"x-delivery-count", b"l" + struct.pack(">q", 7)))),
+    )
+    stream = FleetStream(rabbit, GROUP, max_attempts=3, retry_delay=0.01)
+    attempts: list[int] = []
+
+    @stream.on()
+    async def flaky(received: LifecycleMessage) -> None:
+        assert stream.current_delivery is not None
+        attempts.append(stream.current_delivery.delivery_count)
+        if len(attempts) == 1:
+            raise RuntimeError("a database blip")
+        stream.stop()
+
+    async with asyncio.timeout(BOUND):
+        await stream.run()
+    assert attempts == [0, 1]
+    assert stream.stats.dead_lettered == 0
