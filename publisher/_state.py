@@ -442,9 +442,22 @@ def _check_directory(directory: Path) -> None:
         )
 
 
+#: What :func:`_meta` gives for a row whose text is not UTF-8: no row's check takes it.
+_NOT_UTF8 = "(text that is not UTF-8)"
+
+
 def _meta(db: sqlite3.Connection, key: str) -> str | None:
-    row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-    return None if row is None else str(row[0])
+    # Text that is not UTF-8 made the cursor raise: a traceback at every start, where each
+    # row's own check says what an unreadable row costs (see "the rows of meta" below).
+    row = db.execute(f"SELECT {_cells('value')} FROM meta WHERE key = ?", (key,)).fetchone()
+    if row is None:
+        return None
+    if row[0] != "text":
+        return str(row[1])
+    try:
+        return _text_cell(key, row[0], row[1])
+    except _Unreadable:
+        return _NOT_UTF8
 
 
 def _set_meta(db: sqlite3.Connection, key: str, value: str) -> None:
@@ -526,6 +539,15 @@ def _time_cell(name: str, kind: str, value: Any) -> float:
     raise _Unreadable(f"{name} is {_described(kind, value)}, not a time")
 
 
+def _name(kind: str, value: Any, column: str) -> str:
+    """A stored row named by its ``column`` cell, for a log line; that cell may be unreadable
+    too."""
+    try:
+        return _shown(_text_cell(column, kind, value), 200)
+    except _Unreadable:
+        return f"with no readable {column}"
+
+
 # ------------------------------------------------------------------- the rows of ``meta``
 #
 # A row may be torn or hand-edited, or written by another version. Each is read here, and what
@@ -586,7 +608,7 @@ def _revisions(db: sqlite3.Connection, path: Path | None) -> dict[str, int]:
     try:
         parsed = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        why = _why(exc)
+        why = "text that is not UTF-8" if raw == _NOT_UTF8 else _why(exc)
     else:
         if not isinstance(parsed, dict):
             why = f"a JSON {type(parsed).__name__}, not an object"
@@ -617,7 +639,7 @@ def _document(db: sqlite3.Connection, path: Path | None) -> ScheduledEventsDocum
             "poll's document takes its place: each of its events is announced again, under a "
             "new revision; an event that ended since the last run is not reported ended",
             _where(path),
-            _why(exc),
+            "text that is not UTF-8" if raw == _NOT_UTF8 else _why(exc),
         )
         return None
 
@@ -865,35 +887,42 @@ def _record_intent(
     )
 
 
-def _intent_of(row: Any) -> Intent:
-    return Intent(str(row[0]), str(row[1]), str(row[2]), bytes(row[3]), float(row[4]))
+_INTENT = _cells("approval_id", "event_id", "event_version", "body", "at")
+
+
+def _intent_of(row: Sequence[Any]) -> Intent:
+    """An intent of :data:`_INTENT`'s cells; :class:`_Unreadable` for a row of another shape."""
+    return Intent(
+        approval_id=_text_cell("approval_id", row[0], row[1]),
+        event_id=_text_cell("event_id", row[2], row[3]),
+        event_version=_text_cell("event_version", row[4], row[5]),
+        body=_bytes_cell("body", row[6], row[7]),
+        at=_time_cell("at", row[8], row[9]),
+    )
 
 
 def _intent(db: sqlite3.Connection, approval_id: str) -> Intent | None:
     row = db.execute(
-        "SELECT approval_id, event_id, event_version, body, at FROM approval_intents "
-        "WHERE approval_id = ?",
-        (approval_id,),
+        f"SELECT {_INTENT} FROM approval_intents WHERE approval_id = ?", (approval_id,)
     ).fetchone()
     return None if row is None else _intent_of(row)
 
 
 def _intents(db: sqlite3.Connection) -> list[Intent]:
-    cursor = db.execute(
-        "SELECT approval_id, event_id, event_version, body, at FROM approval_intents ORDER BY at"
-    )
+    cursor = db.execute(f"SELECT {_INTENT} FROM approval_intents ORDER BY at")
     found = []
     for row in cursor:
         try:
             found.append(_intent_of(row))
-        except (TypeError, ValueError) as exc:
-            # Written by this agent as bytes and a number: a row of another shape was edited
-            # or damaged. Raising here ended the agent at every start.
+        except _Unreadable as exc:
+            # Written by this agent as text, bytes and a number: a row of another shape (or
+            # text that is not UTF-8, on which the cursor raised) was edited or damaged.
+            # Raising here ended the agent at every start.
             log.error(
-                "the stored approval intent %r cannot be read (%s): left as it is, not "
+                "the stored approval intent %s cannot be read (%s): left as it is, not "
                 "reconciled (its POST may have gone out; a new delivery of that approval is "
                 "refused); the other intents are reconciled",
-                row[0],
+                _name(row[0], row[1], "approval_id"),
                 exc,
             )
     return found
@@ -904,10 +933,12 @@ def _applied_among(db: sqlite3.Connection, event_ids: list[str]) -> set[str]:
 
 
 def _applied_by(db: sqlite3.Connection, event_id: str) -> str | None:
+    # The row is what counts (the event was started here); the id is only named in a report,
+    # so text that is not UTF-8 (on which the cursor raised) is named as best it can be.
     row = db.execute(
-        "SELECT approval_id FROM applied_events WHERE event_id = ?", (event_id,)
+        "SELECT CAST(approval_id AS BLOB) FROM applied_events WHERE event_id = ?", (event_id,)
     ).fetchone()
-    return None if row is None else str(row[0])
+    return None if row is None else bytes(row[0] or b"").decode("utf-8", "replace")
 
 
 #: A hook run's states (``done`` is no longer written: a run that reported is deleted).
@@ -935,7 +966,7 @@ def _hook_runs(db: sqlite3.Connection, reported: set[int]) -> list[HookRun]:
                 "the stored hook run %s (row %d of hook_runs) cannot be read (%s): left as it "
                 "is, not run and no result reported for it (a policy waiting for it leaves its "
                 "event to NotBefore); the other runs go on",
-                _run_name(row),
+                _name(row[1], row[2], "run_id"),
                 rowid,
                 exc,
             )
@@ -958,13 +989,6 @@ def _hook_run(row: Sequence[Any]) -> HookRun:
         state=state,
         attempt=int(attempt),
     )
-
-
-def _run_name(row: Sequence[Any]) -> str:
-    try:
-        return _shown(_text_cell("run_id", row[1], row[2]), 200)
-    except _Unreadable:
-        return "with no readable run_id"
 
 
 def _hook_started(db: sqlite3.Connection, run_id: str, attempt: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import subprocess
 import sys
 import uuid
 from datetime import UTC, datetime
@@ -20,18 +21,31 @@ from pathlib import Path
 import pytest
 
 from publisher._state import STATE_FILE, StateStore
+from publisher.simulator import EventSpec, EventType
 from schemas import (
     HookResultMessage,
+    MessageType,
     ReplyAddress,
     ScheduledEventsDocument,
     TransitionMessage,
     VmIdentity,
     diff,
+    new_approval,
+    sign,
 )
 from schemas.channels import ChannelNames
 
 from .conftest import Broker
-from .harness import Recorder, eventually, recorder, running, settings_for, simulator_server
+from .harness import (
+    Recorder,
+    eventually,
+    recorder,
+    running,
+    settings_for,
+    simulator_server,
+    version_of,
+)
+from .test_approvals import _channels, _outcome, _web7
 
 
 def _memory(name: str) -> Broker:
@@ -293,3 +307,119 @@ async def test_an_interrupted_run_whose_transition_cannot_be_read_is_dropped_onc
                 await eventually(lambda: any("dropped" in r.getMessage() for r in caplog.records))
                 await asyncio.sleep(0.2)
     assert _rows(state, "SELECT run_id FROM hook_runs") == []
+
+
+# ------------------------------------------------------------ text that is not UTF-8, others
+
+
+def test_a_sequence_row_that_is_not_utf8_is_refused_in_one_line_and_exit_2(
+    tmp_path: Path,
+) -> None:
+    """Text that is not UTF-8 in a row of ``meta``: the sqlite3 cursor raised on it, a
+    traceback and exit 1 at every start, where any other unreadable sequence is one line
+    naming the file and the repair, and exit 2."""
+    state = tmp_path / "state"
+    asyncio.run(_queued_hooks(state, 0, "unused"))
+    _sql(state, "UPDATE meta SET value = CAST(x'31ff' AS TEXT) WHERE key = 'next_sequence'")
+    result = subprocess.run(
+        [sys.executable, "-m", "publisher", "--broker", "memory://t",
+         "--state-dir", str(state), "--imds-url", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-500:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"state_dir: {state / STATE_FILE}" in result.stderr
+    assert "next_sequence" in result.stderr
+
+
+async def test_a_stored_document_that_is_not_utf8_is_dropped_and_the_agent_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last document stored, damaged into text that is not UTF-8: the cursor raised at
+    load, and the agent never started. Now it is dropped as any unreadable document is (the
+    next poll's takes its place), and the event IMDS shows is announced."""
+    broker = _memory("document-utf8")
+    state = tmp_path / "state"
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        event = server.simulator.add_event(
+            EventSpec(event_type=EventType.FREEZE, resources=["web-7"], not_before_seconds=900)
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, state, poll_interval=0.2
+        )
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED)
+        _sql(state, "UPDATE meta SET value = CAST(x'7bff' AS TEXT) WHERE key = 'document'")
+        with caplog.at_level(logging.WARNING, logger="publisher"):
+            async with running(settings):
+                await rec.wait_kind(MessageType.SCHEDULED, count=2)
+    assert [m.subject for m in rec.of(MessageType.SCHEDULED)] == [event.event_id] * 2
+    warned = [r.getMessage() for r in caplog.records if "document" in r.getMessage()]
+    assert warned
+    assert "not UTF-8" in warned[0]
+
+
+async def test_a_stored_intent_that_is_not_utf8_does_not_stop_the_agent(tmp_path: Path) -> None:
+    """An approval intent whose id is text that is not UTF-8: the cursor raised out of the
+    reconciling at start, which ended the agent at every start (an intent of the wrong type no
+    longer did). Now that row is left with an error naming it, the others are reconciled."""
+    broker = Broker(f"memory://intent-{uuid.uuid4().hex[:6]}", _channels("intent"), "memory")
+    spec = EventSpec(
+        event_type=EventType.REDEPLOY, resources=["web-7"], not_before_seconds=3 * 86400
+    )
+    async with _web7(broker, tmp_path, spec) as (sim, rec, event, key, settings):
+        version = version_of(sim, event.event_id)
+        approval = sign(
+            new_approval(event.event_id, "web-7", decided_by="policy", event_version=version),
+            key,
+        )
+        assert settings.state_dir is not None
+        store = await StateStore.open(settings.state_dir)
+        await store.record_intent(
+            approval.approval_id, event.event_id, version, approval.to_bytes()
+        )
+        await store.close()
+        _sql(
+            settings.state_dir,
+            "INSERT INTO approval_intents (approval_id, event_id, event_version, body, at) "
+            "VALUES (CAST(x'ff' AS TEXT), 'EVT-X', 'v', x'00', 0)",
+        )
+        async with running(settings):
+            outcome = await _outcome(rec, approval.approval_id)
+            await asyncio.sleep(0.5)
+    assert outcome.kind is MessageType.APPROVAL_APPLIED  # the readable one was reconciled
+
+
+async def test_an_applied_event_row_that_is_not_utf8_does_not_stop_the_agent(
+    tmp_path: Path,
+) -> None:
+    """An event this agent approved (its row in applied_events: it ran here) whose approval id
+    is text that is not UTF-8: when the event left IMDS, the cursor raised in the watcher, which
+    ended the agent, and again at each start. Now the row still counts (the event is reported
+    completed: it ran here, not canceled) and the agent runs on."""
+    broker = _memory("applied-utf8")
+    state = tmp_path / "state"
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        sim = server.simulator
+        event = sim.add_event(
+            EventSpec(event_type=EventType.FREEZE, resources=["web-7"], not_before_seconds=900)
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, state, poll_interval=0.2
+        )
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED)
+        _sql(
+            state,
+            "INSERT INTO applied_events (event_id, approval_id, at) "
+            f"VALUES ('{event.event_id}', CAST(x'41ff' AS TEXT), 0)",
+        )
+        sim.cancel_event(event.event_id)
+        async with running(settings):
+            await rec.wait_kind(MessageType.COMPLETED)
+            await asyncio.sleep(0.5)
+    assert not rec.of(MessageType.CANCELED)
