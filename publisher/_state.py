@@ -852,8 +852,12 @@ def _set_aside(db: sqlite3.Connection, row: OutboxRow, why: str, reason: str) ->
 
 
 def _approval_outcome(db: sqlite3.Connection, approval_id: str) -> bytes | None:
+    # The row is what counts (the approval was handled; its outcome is only ever asked for
+    # being there): stored as text or anything else, bytes() of it raised, which ended the
+    # agent while it reconciled its intents, at every start.
     row = db.execute(
-        "SELECT message FROM approvals WHERE approval_id = ?", (approval_id,)
+        "SELECT coalesce(CAST(message AS BLOB), x'') FROM approvals WHERE approval_id = ?",
+        (approval_id,),
     ).fetchone()
     return None if row is None else bytes(row[0])
 

@@ -423,3 +423,38 @@ async def test_an_applied_event_row_that_is_not_utf8_does_not_stop_the_agent(
             await rec.wait_kind(MessageType.COMPLETED)
             await asyncio.sleep(0.5)
     assert not rec.of(MessageType.CANCELED)
+
+
+async def test_an_approval_outcome_of_the_wrong_type_does_not_stop_the_agent(
+    tmp_path: Path,
+) -> None:
+    """An approval's stored outcome (its report, kept to answer a redelivery) stored as text:
+    reading it (bytes() of text) raised out of the reconciling of intents at start, which
+    ended the agent at every start. A stored outcome still means the approval was handled:
+    its intent is not reconciled again, and the agent runs."""
+    broker = Broker(f"memory://outcome-{uuid.uuid4().hex[:6]}", _channels("outcome"), "memory")
+    spec = EventSpec(
+        event_type=EventType.REDEPLOY, resources=["web-7"], not_before_seconds=3 * 86400
+    )
+    async with _web7(broker, tmp_path, spec) as (sim, rec, event, key, settings):
+        version = version_of(sim, event.event_id)
+        approval = sign(
+            new_approval(event.event_id, "web-7", decided_by="policy", event_version=version),
+            key,
+        )
+        assert settings.state_dir is not None
+        store = await StateStore.open(settings.state_dir)
+        await store.record_intent(
+            approval.approval_id, event.event_id, version, approval.to_bytes()
+        )
+        await store.close()
+        _sql(
+            settings.state_dir,
+            "INSERT INTO approvals (approval_id, message, decided) "
+            f"VALUES ('{approval.approval_id}', 'text, not bytes', 0)",
+        )
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED, within=15)
+            await asyncio.sleep(0.5)
+    assert not sim.get_event(event.event_id).approvals  # handled already: no POST again
+    assert not [m for m in rec.messages if m.kind.value.startswith("approval.")]
