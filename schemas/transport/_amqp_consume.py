@@ -77,8 +77,11 @@ def _properties(
 
     A dead letter (``dead_letter``) the broker moved itself (delivery limit, expiry) says why
     the same way as one a consumer dead-lettered, and names its original sender: the broker
-    kept its validated ``user_id``. Elsewhere the broker's dead-lettering records mean nothing
-    to the reader (a message handed on from the catch-all queue carries one)."""
+    kept its validated ``user_id``. Its reason and sender are the broker's even when its
+    headers say otherwise: those are the publisher's own, and anyone may write them (a
+    consumer's copy carries no broker record: its headers are the consumer's). Elsewhere the
+    broker's dead-lettering records mean nothing to the reader (a message handed on from the
+    catch-all queue carries one)."""
     result: dict[str, PropertyValue] = {}
     for key, value in headers.items():
         if key.startswith("x-"):
@@ -90,13 +93,14 @@ def _properties(
                 log.debug("header %s is not UTF-8 text: left out", key)
         elif isinstance(value, str | int | float | bool):
             result[key] = value
-    if dead_letter and DEAD_LETTER_REASON not in result:
+    if dead_letter:
         death = _latest_death(headers)
         if death is not None:
             result[DEAD_LETTER_REASON], queue = death
             result[DEAD_LETTER_DESCRIPTION] = f"dead-lettered by RabbitMQ from {queue}"
+            result.pop(ORIGINAL_SENDER, None)
             if sender is not None:
-                result.setdefault(ORIGINAL_SENDER, sender)
+                result[ORIGINAL_SENDER] = sender
     return result
 
 
@@ -270,7 +274,10 @@ class AmqpDelivery:
         headers = _copyable(self._headers, self.message_id)
         headers[DEAD_LETTER_REASON] = reason
         headers[DEAD_LETTER_DESCRIPTION] = description
-        if self.sender is not None:  # the copy is published by this consumer's own user
+        # The copy is published by this consumer's own user: it names the original's sender,
+        # as the broker validated it, and never a header of that name the publisher wrote.
+        headers.pop(ORIGINAL_SENDER, None)
+        if self.sender is not None:
             headers[ORIGINAL_SENDER] = self.sender
         header = self._header
         copy = aio_pika.Message(

@@ -244,6 +244,8 @@ class _MemoryDelivery:
         properties = dict(self._stored.message.properties)
         properties[DEAD_LETTER_REASON] = reason
         properties[DEAD_LETTER_DESCRIPTION] = description
+        # The sender the broker knows, never a property of that name the publisher wrote.
+        properties.pop(ORIGINAL_SENDER, None)
         if self._stored.sender is not None:
             properties[ORIGINAL_SENDER] = self._stored.sender
         dead.put(

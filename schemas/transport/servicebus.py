@@ -107,7 +107,7 @@ from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
 from ..origin import KEY as ORIGIN_KEY
 from . import redact
 from ._base import AsyncResource, OutgoingMessage, PropertyValue
-from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON
+from .memory import DEAD_LETTER_DESCRIPTION, DEAD_LETTER_REASON, ORIGINAL_SENDER
 
 __all__ = ["ServiceBusSettings", "ServiceBusTransport", "parse_servicebus_address"]
 
@@ -291,7 +291,8 @@ def _received_properties(message: ServiceBusReceivedMessage) -> dict[str, Proper
     dead: dict[str, str] = {}
     for key, value in raw.items():
         name = _text(key)
-        if name == BINARY_PROPERTIES:
+        if name in (BINARY_PROPERTIES, ORIGINAL_SENDER):
+            # Service Bus vouches for no sender: a property naming one is the publisher's word.
             continue
         if name in _DEAD_LETTER_PROPERTIES:
             # Read here, not with the SDK's dead_letter_reason, which raises on a value that

@@ -14,7 +14,12 @@ import pytest
 
 from schemas import TransportError
 from schemas.channels import ChannelNames
-from schemas.transport import Delivery
+from schemas.transport import (
+    DEAD_LETTER_DESCRIPTION,
+    DEAD_LETTER_REASON,
+    ORIGINAL_SENDER,
+    Delivery,
+)
 from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
 
 from ._helpers import assert_nothing, outgoing, receive
@@ -186,3 +191,54 @@ async def test_a_transient_subscription_comes_back_after_a_cut_link(
             assert not await _queue_exists(amqp_url, name)
         finally:
             await publisher.delete_topology(exchanges=True)
+
+
+async def test_a_dead_letter_names_the_reason_and_sender_the_broker_knows_not_its_headers(
+    amqp_url: str, unique: str
+) -> None:
+    """A publisher may write headers named like the ones a dead letter is read by: a forged
+    sender stayed on a consumer's copy of a message that had no validated sender, and on one
+    the broker dead-lettered itself (delivery limit) a forged reason hid the broker's and a
+    forged sender the validated one. An operator looking for who sent a bad message was
+    pointed at another VM."""
+    channels = ChannelNames().suffixed(unique)
+    settings = AmqpSettings(delivery_limit=1, reconnect_timeout=5, confirm_timeout=5)
+    forged = {
+        ORIGINAL_SENDER: "web-7",
+        DEAD_LETTER_REASON: "forged",
+        DEAD_LETTER_DESCRIPTION: "forged",
+    }
+    async with (
+        asyncio.timeout(BOUND),
+        RabbitMQTransport(amqp_url, channels, settings=settings) as t,
+    ):
+        try:
+            await t.declare_group("g")
+            # No user_id: no sender the broker vouches for.
+            connection = await aio_pika.connect(amqp_url)
+            async with connection, connection.channel() as channel:
+                exchange = await channel.get_exchange(channels.events_exchange)
+                await exchange.publish(
+                    aio_pika.Message(b"anonymous", headers=forged), "scheduled.Reboot.vm-1"
+                )
+            await t.publish(outgoing("validated", properties=forged))  # user_id guest
+            async with t.subscribe("g") as subscription:
+                for _ in range(3):
+                    delivery = await receive(subscription)
+                    if delivery.body == b"anonymous":
+                        await delivery.dead_letter("not-json", "not JSON")
+                    else:
+                        await delivery.retry()  # twice: over the delivery limit
+            letters = {}
+            async with t.dead_letters("g") as dead:
+                for _ in range(2):
+                    letter = await receive(dead)
+                    letters[letter.body] = dict(letter.properties)
+                    await letter.ack()
+        finally:
+            await t.delete_topology(groups=["g"], exchanges=True)
+    anonymous, validated = letters[b"anonymous"], letters[b"validated"]
+    assert anonymous[DEAD_LETTER_REASON] == "not-json"
+    assert ORIGINAL_SENDER not in anonymous
+    assert validated[DEAD_LETTER_REASON] == "delivery_limit"
+    assert validated[ORIGINAL_SENDER] == "guest"

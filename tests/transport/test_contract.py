@@ -376,15 +376,19 @@ async def test_a_message_arrives_with_its_sender(backend: Backend) -> None:
 
 
 async def test_a_dead_letter_names_the_original_sender(backend: Backend) -> None:
+    """The sender the broker vouches for, or none: never a property of that name (or a reason)
+    the publisher wrote, which would point an operator at another VM."""
     group = backend.group("policy")
+    forged = {"vm": "vm-1", ORIGINAL_SENDER: "web-7", DEAD_LETTER_REASON: "forged"}
     async with asyncio.timeout(BOUND), backend.transport() as transport:
         await transport.declare_group(group)
-        await transport.publish(outgoing("poison"))
+        await transport.publish(outgoing("poison", properties=forged))
         async with transport.subscribe(group) as subscription:
             await (await receive(subscription)).dead_letter("schema", "not JSON")
         async with transport.dead_letters(group) as dead:
             letter = await receive(dead)
             await letter.ack()
+    assert letter.properties[DEAD_LETTER_REASON] == "schema"
     if backend.sender is None:
         assert ORIGINAL_SENDER not in letter.properties
     else:
