@@ -203,7 +203,7 @@ async def test_a_dead_letter_names_the_reason_and_sender_the_broker_knows_not_it
     pointed at another VM."""
     channels = ChannelNames().suffixed(unique)
     settings = AmqpSettings(delivery_limit=1, reconnect_timeout=5, confirm_timeout=5)
-    forged = {
+    forged: dict[str, str | int | float | bool] = {
         ORIGINAL_SENDER: "web-7",
         DEAD_LETTER_REASON: "forged",
         DEAD_LETTER_DESCRIPTION: "forged",
@@ -219,7 +219,7 @@ async def test_a_dead_letter_names_the_reason_and_sender_the_broker_knows_not_it
             async with connection, connection.channel() as channel:
                 exchange = await channel.get_exchange(channels.events_exchange)
                 await exchange.publish(
-                    aio_pika.Message(b"anonymous", headers=forged), "scheduled.Reboot.vm-1"
+                    aio_pika.Message(b"anonymous", headers={**forged}), "scheduled.Reboot.vm-1"
                 )
             await t.publish(outgoing("validated", properties=forged))  # user_id guest
             async with t.subscribe("g") as subscription:

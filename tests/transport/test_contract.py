@@ -379,7 +379,11 @@ async def test_a_dead_letter_names_the_original_sender(backend: Backend) -> None
     """The sender the broker vouches for, or none: never a property of that name (or a reason)
     the publisher wrote, which would point an operator at another VM."""
     group = backend.group("policy")
-    forged = {"vm": "vm-1", ORIGINAL_SENDER: "web-7", DEAD_LETTER_REASON: "forged"}
+    forged: dict[str, str | int | float | bool] = {
+        "vm": "vm-1",
+        ORIGINAL_SENDER: "web-7",
+        DEAD_LETTER_REASON: "forged",
+    }
     async with asyncio.timeout(BOUND), backend.transport() as transport:
         await transport.declare_group(group)
         await transport.publish(outgoing("poison", properties=forged))
