@@ -415,7 +415,7 @@ def _connect(directory: Path | None, path: Path | None) -> sqlite3.Connection:
             _set_meta(db, "epoch", uuid.uuid4().hex)
             _set_meta(db, "created", repr(time.time()))
         # What the agent cannot do without is refused now, before IMDS or the broker is asked.
-        _next_sequence(db, path)
+        _check_sequence(db, path)
         _revisions(db, path)
     except BaseException:
         db.close()
@@ -583,17 +583,45 @@ def _next_sequence(db: sqlite3.Connection, path: Path | None) -> int:
         return 1
     if re.fullmatch(r"[0-9]{1,19}", raw) and int(raw) <= MAX_SEQUENCE:
         return int(raw)
-    kept = db.execute(
-        "SELECT max(s) FROM (SELECT max(sequence) AS s FROM outbox "
-        "UNION ALL SELECT max(sequence) FROM outbox_set_aside)"
-    ).fetchone()[0]
-    floor = 1 if kept is None else int(kept) + 1
+    floor = _floor(db)
     raise ConfigError(
         f"state_dir: {_where(path)}: the row next_sequence ({_shown(raw)}) is not a sequence "
         "number: the agent cannot number its messages so that their sequence never goes back. "
         "Restore the file from a backup, or set it above the last sequence consumers saw (at "
         f"least {floor}): sqlite3 {_where(path)} \"UPDATE meta SET value = 'N' WHERE key = "
         "'next_sequence'\""
+    )
+
+
+def _floor(db: sqlite3.Connection) -> int:
+    """One above the highest sequence the store still holds (in the outbox or set aside)."""
+    kept = db.execute(
+        "SELECT max(s) FROM (SELECT max(sequence) AS s FROM outbox "
+        "UNION ALL SELECT max(sequence) FROM outbox_set_aside)"
+    ).fetchone()[0]
+    return 1 if kept is None else int(kept) + 1
+
+
+def _check_sequence(db: sqlite3.Connection, path: Path | None) -> None:
+    """At open: the next sequence can be read (or the start stops, see :func:`_next_sequence`),
+    and is above every row the store holds. One set (or deleted) by hand below them gave the
+    first new message the sequence of a message still in the outbox, which SQLite refused (a
+    traceback at every start), or of one set aside, which the next row set aside under it
+    would have replaced. It is raised above them: a gap consumers see, never a step back from
+    a message kept."""
+    sequence = _next_sequence(db, path)
+    floor = _floor(db)
+    if sequence >= floor:
+        return
+    raw = _meta(db, "next_sequence")
+    _set_meta(db, "next_sequence", str(floor))
+    log.warning(
+        "state %s: the row next_sequence (%s) is below messages the store still holds (up to "
+        "%d): raised to %d, so new messages do not take their sequences (consumers see a gap)",
+        _where(path),
+        "missing" if raw is None else _shown(raw),
+        floor - 1,
+        floor,
     )
 
 

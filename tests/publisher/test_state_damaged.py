@@ -458,3 +458,36 @@ async def test_an_approval_outcome_of_the_wrong_type_does_not_stop_the_agent(
             await asyncio.sleep(0.5)
     assert not sim.get_event(event.event_id).approvals  # handled already: no POST again
     assert not [m for m in rec.messages if m.kind.value.startswith("approval.")]
+
+
+async def test_a_sequence_below_the_rows_kept_is_raised_above_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A next_sequence (hand-)set below messages still in the outbox: the first commit gave a
+    new message the sequence of a kept one, and SQLite refused it (an IntegrityError
+    traceback, exit 1, at every start); below a row set aside, the next row set aside under
+    it would have replaced that kept row. The sequence is raised above every row kept, with a
+    warning (a gap, which consumers see; never a step back), and the agent runs."""
+    broker = _memory("sequence-floor")
+    state = tmp_path / "state"
+    store = await StateStore.open(state)
+    try:
+        committed = await store.commit(_transitions(3))
+    finally:
+        await store.close()
+    _sql(state, "UPDATE meta SET value = '2' WHERE key = 'next_sequence'")
+    last = committed.rows[-1].sequence
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        settings = settings_for(server, "web-7", broker.url, broker.channels, state)
+        with caplog.at_level(logging.WARNING, logger="publisher"):
+            async with running(settings):
+                await rec.wait_kind(MessageType.AGENT_ONLINE)
+                await rec.wait_kind(MessageType.SCHEDULED, count=3)
+    (online,) = rec.of(MessageType.AGENT_ONLINE)
+    assert online.sequence == last + 1
+    assert sorted(m.sequence for m in rec.of(MessageType.SCHEDULED)) == [
+        r.sequence for r in committed.rows
+    ]
+    warned = [r.getMessage() for r in caplog.records if "next_sequence" in r.getMessage()]
+    assert warned
+    assert f"raised to {last + 1}" in warned[0]
