@@ -79,9 +79,9 @@ def _read_leniently(
     if not unreadable:  # pamqp failed where the stack was deeper: read in full here
         return
     log.warning(
-        "message %s: its AMQP propert%s %s could not be read (%s: %s): delivered without %s; "
+        "message %r: its AMQP propert%s %s could not be read (%s: %r): delivered without %s; "
         "the consumer judges it on its body",
-        properties.message_id or "(no id)",
+        (properties.message_id or "")[:200],  # the publisher's text: quoted, never raw
         "y" if len(unreadable) == 1 else "ies",
         ", ".join(unreadable),
         type(error).__name__,
