@@ -80,6 +80,11 @@ EVERYTHING = ".*"
 _WORD_UNSAFE = re.compile(r"[.#*\s]")
 _REGEX_SPECIAL = re.compile(r"[.^$*+?{}\[\]\\|()]")
 _TIMEOUT = 120.0
+#: The largest message the broker should accept: the contract's 256 KiB body with room for its
+#: properties and a dead letter's headers. RabbitMQ's own default is 128 MiB (3.x) or 16 MiB
+#: (4.x), and a consumer holds up to its prefetch of messages in memory before it can refuse
+#: one: 256 hostile messages of 128 MiB are 32 GiB in the approver.
+MAX_MESSAGE_SIZE = 512 * 1024
 
 
 class SetupError(Exception):
@@ -407,6 +412,23 @@ def ensure_vhost(ctl: Rabbitmqctl, vhost: str, policies: Sequence[Policy]) -> No
     print(f"vhost {vhost!r}: ready with {len(policies)} policies")
 
 
+def max_message_size_warning(ctl: Rabbitmqctl) -> str | None:
+    """What to tell the operator when the broker accepts messages larger than
+    :data:`MAX_MESSAGE_SIZE` (a node setting, ``rabbitmq.conf``, that no vhost can set)."""
+    try:
+        answer = ctl.run("eval", "application:get_env(rabbit, max_message_size).", mutating=False)
+    except SetupError as exc:
+        return f"could not read the broker's max_message_size ({exc})"
+    found = re.fullmatch(r"\{ok,\s*(\d+)\}", answer.strip())
+    if found and int(found.group(1)) <= MAX_MESSAGE_SIZE:
+        return None
+    size = f"{int(found.group(1)):,} bytes" if found else "its default (16 to 128 MiB)"
+    return (
+        f"the broker accepts messages of up to {size}; the relay's messages are at most 256 KiB, "
+        "and a consumer holds up to its prefetch of messages in memory before it can refuse one"
+    )
+
+
 def _vhost_exists(ctl: Rabbitmqctl, vhost: str) -> bool:
     return any(v.get("name") == vhost for v in ctl.json("list_vhosts"))
 
@@ -529,6 +551,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "vhost":
             policies = vhost_policies(args.approvals_max_length, args.unrouted_max_length)
             ensure_vhost(ctl, args.vhost, policies)
+            if not args.dry_run and (warning := max_message_size_warning(ctl)):
+                print(
+                    f"relay_rabbitmq.py: warning: {warning}: set `max_message_size = "
+                    f"{MAX_MESSAGE_SIZE}` in rabbitmq.conf and restart the node (or, until its "
+                    f"next restart: rabbitmqctl eval 'application:set_env(rabbit, "
+                    f"max_message_size, {MAX_MESSAGE_SIZE}).')",
+                    file=sys.stderr,
+                )
         elif args.command == "show":
             for kind in ("list_permissions", "list_topic_permissions"):
                 print(ctl.run(kind, "-p", args.vhost, mutating=False).rstrip())
