@@ -102,6 +102,9 @@ SENDS_IN_FLIGHT = 64
 SEND_DRAIN_SECONDS = 5.0
 #: How often pruning and the look at holds happen (housekeeping).
 HOUSEKEEPING_SECONDS = 1.0
+#: How many times what failed handling left undecided is decided again when that fails other
+#: than on the database or the broker (a defect: it would fail every time).
+MAX_OWED_ATTEMPTS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,14 @@ class _Plan:
     #: Approvals the broker took, and events pruned, since the last commit.
     sent: list[str] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    #: What deciding took on, for :meth:`ApproverService._owe` should it fail part way: the
+    #: events decided about (in order), the changes of who is unavailable it took to decide on,
+    #: the approvals it signed (each with its event and the approval the event had out
+    #: before), and the work a failure before it left owed.
+    evaluated: list[str] = field(default_factory=list)
+    taken: list[tuple[set[Group], set[str]]] | None = None
+    signed: list[tuple[EventState, SentApproval | None, SentApproval]] | None = None
+    owed: _Owed | None = None
 
     def take(self, other: _Plan) -> None:
         self.decisions += other.decisions
@@ -147,6 +158,19 @@ class _Plan:
     @property
     def empty(self) -> bool:
         return not (self.decisions or self.approvals or self.messages or self.sent or self.forget)
+
+
+@dataclass(slots=True)
+class _Owed:
+    """What handling that failed part way left undecided (:meth:`ApproverService._owe`): events
+    to decide about again, in order, and the changes of who is unavailable whose held events
+    are to be decided again (groups where a VM became available, VMs that became unavailable)."""
+
+    events: dict[str, None] = field(default_factory=dict)
+    freed: set[Group] = field(default_factory=set)
+    downed: set[str] = field(default_factory=set)
+    #: Times deciding it again failed other than on the database or the broker (a defect).
+    failures: int = 0
 
 
 class ApproverService:
@@ -220,6 +244,9 @@ class ApproverService:
         self._held: set[str] = set()
         #: The holds read for the approvals of the batch being handled (None: read them).
         self._holds: dict[str, Hold] | None = None
+        #: What handling that failed part way left undecided (:meth:`_owe`), decided with the
+        #: next message, or by housekeeping.
+        self._owed: _Owed | None = None
         self._next_prune = 0.0
 
     # ----------------------------------------------------------------------------- running
@@ -274,17 +301,26 @@ class ApproverService:
                 # housekeeping (with a database) or the batch's commit, which fails and brings
                 # the batch back while one is unsent (without one).
                 log.info("approvals a lost link stopped are still not confirmed (%s)", exc)
+            if self._owed is not None:  # on the view before this message, as it was left
+                await self._decide_owed(commit=False)
             plan = _Plan(messages=[message])
             self.fleet.take_changes()
             state = self.fleet.apply(message)
-            if isinstance(message, ApprovalOutcomeMessage) and state is not None:
-                self._outcome(message, state)
-            if state is not None:
-                await self._evaluate(state, plan)
-            # Before the changes are taken: an event a prune ends (the VM it waited for fell
-            # silent) or forgets frees room that held events are decided again for.
-            self._prune_now_and_then()
-            await self._reevaluate(plan, skip=state)
+            # From here on the view holds the message (it takes one whole or not at all), and
+            # its retry changes nothing there: should deciding fail, what it was deciding is
+            # owed (see _owe).
+            try:
+                if isinstance(message, ApprovalOutcomeMessage) and state is not None:
+                    self._outcome(message, state)
+                if state is not None:
+                    await self._evaluate(state, plan)
+                # Before the changes are taken: an event a prune ends (the VM it waited for
+                # fell silent) or forgets frees room that held events are decided again for.
+                self._prune_now_and_then()
+                await self._reevaluate(plan, skip=state)
+            except BaseException:
+                self._owe(plan, state)
+                raise
             await self._settle(plan, commit=False)
 
     async def commit(self) -> None:
@@ -397,13 +433,112 @@ class ApproverService:
         async with self._lock:
             plan = _Plan()
             self.fleet.take_changes()
-            await self._evaluate(state, plan)
-            await self._reevaluate(plan, skip=state)
+            try:
+                await self._evaluate(state, plan)
+                await self._reevaluate(plan, skip=state)
+            except BaseException:
+                self._owe(plan, state)
+                raise
             await self._settle(plan, commit=True)
+
+    async def _decide_owed(self, *, commit: bool) -> None:
+        """Decide what handling that failed part way left undecided (see :meth:`_owe`), before
+        the next message (``commit``: now, for housekeeping: the failed message may have been
+        dead-lettered, and in a quiet fleet the next one may be a minute away).
+
+        In a plan of its own: should it fail again, it stays owed and the message about to be
+        handled is not failed for it (a defect met deciding one event must not fail every
+        message after it). A failure of the database or the broker waits for them to come
+        back, as the messages do; after :data:`MAX_OWED_ATTEMPTS` other failures it is given
+        up, saying what is left undecided."""
+        owed, self._owed = self._owed, None
+        if owed is None:
+            return
+        plan = _Plan(owed=owed)  # owed again should this fail too
+        try:
+            await self._reevaluate(plan, skip=None, owed=owed)
+        except Exception as exc:
+            again = self._owe(plan, None)
+            if not isinstance(exc, DatabaseError | TransportError):
+                again.failures += 1
+            if again.failures < MAX_OWED_ATTEMPTS:
+                log.warning(
+                    "approver %s: deciding again what failed handling left undecided failed "
+                    "(%s: %s): tried again with the next message",
+                    self.decided_by,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            self._owed = None
+            log.error(
+                "approver %s: deciding again %s and the events held on %s failed %d times "
+                "(last: %s: %s): given up; they are decided again with the next change of "
+                "their groups, else NotBefore applies",
+                self.decided_by,
+                ", ".join(again.events) or "no event",
+                ", ".join(f"{key}={value}" for key, value in again.freed) or "no group",
+                again.failures,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+            return
+        except BaseException:
+            self._owe(plan, None)
+            raise
+        await self._settle(plan, commit=commit)
+
+    def _owe(self, plan: _Plan, state: EventState | None) -> _Owed:
+        """Deciding failed part way (a database read, a defect): ``plan`` is dropped, so
+        nothing it decided is recorded and none of its approvals goes out; the approvals it
+        signed are taken back from the view (their events and VMs are as before them). But the
+        view keeps what changed it (the message: the retry finds nothing new in it; a refusal,
+        a prune), so what deciding took on is owed, decided with the next message (the retry
+        or another) or by housekeeping: the events it decided about and ``state``'s, and the
+        changes of who is unavailable it took or left, whose held events are decided again as
+        for a new change. Without this, the held events a freed slot released waited for their
+        NotBefore, and an approval signed and never sent kept its event from being approved."""
+        owed = _Owed()
+        for before in (plan.owed, self._owed):
+            if before is not None:
+                owed.events.update(before.events)
+                owed.freed |= before.freed
+                owed.downed |= before.downed
+                owed.failures = max(owed.failures, before.failures)
+        for signed, previous, sent in reversed(plan.signed or ()):
+            key = (signed.event_id, sent.event_version)
+            if self._signed.get(key, 0) > 1:
+                self._signed[key] -= 1
+            else:
+                self._signed.pop(key, None)
+            if signed.sent is sent:
+                signed.sent = previous
+                if previous is not None:
+                    signed.superseded.pop(previous.approval_id, None)
+            self.fleet.refresh(signed)
+        owed.events.update(dict.fromkeys(plan.evaluated))
+        if state is not None:
+            owed.events[state.event_id] = None
+        for freed, downed in [*(plan.taken or ()), self.fleet.take_changes()]:
+            owed.freed |= freed
+            owed.downed |= downed
+        self._owed = owed
+        log.info(
+            "approver %s: deciding stopped part way: nothing it decided is recorded or sent; "
+            "%d event(s) and the events held on %d group(s) and %d VM(s) it was deciding about "
+            "are decided again before the next message (or by housekeeping)",
+            self.decided_by,
+            len(owed.events),
+            len(owed.freed),
+            len(owed.downed),
+        )
+        return owed
 
     async def _evaluate(self, state: EventState, plan: _Plan) -> None:
         """Decide about one event (while it is Scheduled and no approval of its current
         version is out)."""
+        plan.evaluated.append(state.event_id)
         if state.phase is not EventPhase.SCHEDULED or state.approved_or_sent:
             self._unwait(state.event_id)
             return
@@ -447,14 +582,22 @@ class ApproverService:
             self._record(state, Verdict(Action.WAIT, why, verdict.policy), plan)
             return
         self._signed[key] = self._signed.get(key, 0) + 1
-        state.send(SentApproval(approval.approval_id, version, approval.vm, self.clock()))
+        previous = state.sent
+        sent = SentApproval(approval.approval_id, version, approval.vm, self.clock())
+        state.send(sent)
+        if plan.signed is None:
+            plan.signed = []
+        plan.signed.append((state, previous, sent))  # taken back should deciding fail
         plan.approvals.append(PendingApproval(approval, address))
         self._record(state, verdict, plan, target=approval.vm, approval_id=approval.approval_id)
         self.fleet.refresh(state)
 
-    async def _reevaluate(self, plan: _Plan, skip: EventState | None) -> None:
+    async def _reevaluate(
+        self, plan: _Plan, skip: EventState | None, owed: _Owed | None = None
+    ) -> None:
         """Who is unavailable changed: decide again the held events the change can release
-        (see the module docstring), and only those."""
+        (see the module docstring), and only those; with ``owed`` (see :meth:`_owe`), its
+        events first, then the held events of its changes as of the view's."""
         seen: set[str] = set() if skip is None else {skip.event_id}
 
         async def again(event_id: str) -> None:
@@ -466,7 +609,16 @@ class ApproverService:
                 await self._evaluate(other, plan)
 
         freed, downed = self.fleet.take_changes()
+        if owed is not None:
+            for event_id in owed.events:
+                if event_id not in seen:
+                    await again(event_id)
+            freed |= owed.freed
+            downed |= owed.downed
         while freed or downed:
+            if plan.taken is None:
+                plan.taken = []
+            plan.taken.append((freed, downed))
             for vm in downed:
                 for event_id in list(self._waiting_vm.get(vm, ())):
                     if event_id not in seen:
@@ -716,8 +868,12 @@ class ApproverService:
             self._tried.setdefault(key, set()).add(approval.vm.casefold())
         plan = _Plan()
         self.fleet.refresh(state)
-        await self._evaluate(state, plan)
-        await self._reevaluate(plan, skip=state)
+        try:
+            await self._evaluate(state, plan)
+            await self._reevaluate(plan, skip=state)
+        except BaseException:
+            self._owe(plan, state)
+            raise
         await self._settle(plan, commit=True)
 
     async def _send_unsent(self) -> None:
@@ -852,6 +1008,9 @@ class ApproverService:
                             log.info("hold on %s released: deciding again", event_id)
                             self._last.pop(event_id, None)
                             await self.evaluate(state)
+                if self._owed is not None:
+                    async with self._lock:
+                        await self._decide_owed(commit=True)
                 now = self.clock()
                 for event_id in [e for e, at in self._wake.items() if at <= now]:
                     del self._wake[event_id]
