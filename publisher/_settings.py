@@ -55,6 +55,11 @@ MAX_SECRET_FILE = 64 * 1024
 _SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+#: The longest hook command taken: every result of a hook names its command, and the agent's
+#: state stores it with each run.
+MAX_HOOK_COMMAND = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class HookSpec:
     """A local command run on chosen transitions: ``started,scheduled=/usr/local/bin/drain``."""
@@ -80,6 +85,20 @@ class HookSpec:
         # where the operator sees it, not at the first event that runs it.
         if "\0" in command:
             raise ConfigError(f"hook {text!r}: the command holds a NUL character")
+        if len(command) > MAX_HOOK_COMMAND:
+            raise ConfigError(
+                f"hook {text[:60]!r}...: the command is {len(command)} characters long; at most "
+                f"{MAX_HOOK_COMMAND} (put a longer one in a script)"
+            )
+        try:
+            command.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # A byte of another encoding on the command line, kept by Python as a lone
+            # surrogate: the state store could not save the hook's runs, and the agent ended at
+            # the first transition.
+            raise ConfigError(
+                f"hook {text!r}: the command is not UTF-8 text ({exc.reason} at {exc.start})"
+            ) from exc
         try:
             argv = shlex.split(command)
         except ValueError as exc:

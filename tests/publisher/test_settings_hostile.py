@@ -46,6 +46,21 @@ def _refused_in_one_line(result: subprocess.CompletedProcess[str], named: str) -
         "scheduled=/bin/echo trailing\\",
         "scheduled=''",  # quoting that leaves no program to run
         "scheduled=/bin/echo a\x00b",  # no program can be given a NUL
+        # A byte that is not UTF-8 on the command line (Python keeps it as a lone surrogate):
+        # taken before, the agent's state store could not save the hook's run at the first
+        # transition, and the watcher ended the agent.
+        "scheduled=/bin/echo \udcff",
+        # A result names its hook's command: one this long could never be published.
+        "scheduled=/bin/echo " + "x" * 5000,
+    ],
+    ids=[
+        "unterminated-double",
+        "unterminated-single",
+        "trailing-escape",
+        "empty",
+        "nul",
+        "not-utf8",
+        "too-long",
     ],
 )
 def test_a_hook_command_that_cannot_be_run_is_refused_when_parsed(text: str) -> None:
@@ -74,6 +89,10 @@ def test_a_hook_with_an_unbalanced_quote_is_refused_from_a_flag_the_environment_
 
 def test_the_agent_refuses_a_hook_with_an_unbalanced_quote_in_one_line() -> None:
     _refused_in_one_line(_cli("--hook", 'scheduled=/bin/echo "x'), "hook")
+
+
+def test_the_agent_refuses_a_hook_that_is_not_utf8_in_one_line() -> None:
+    _refused_in_one_line(_cli("--hook", "scheduled=/bin/echo \udcff"), "hook")
 
 
 # ------------------------------------------------------------------- approval max lifetime
