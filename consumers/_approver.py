@@ -133,6 +133,10 @@ class _Plan:
     decisions: list[PlannedDecision] = field(default_factory=list)
     approvals: list[PendingApproval] = field(default_factory=list)
     made: list[Decision] = field(default_factory=list)
+    #: The (action, reason) of each event's newest decision here: the approver's record of
+    #: what was decided last takes them once the plan is settled, not before (a plan dropped
+    #: half way records nothing).
+    last: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: The messages handled (with a database: stored in the same commit).
     messages: list[LifecycleMessage] = field(default_factory=list)
     #: Approvals the broker took, and events pruned, since the last commit.
@@ -364,6 +368,8 @@ class ApproverService:
         """Record what ``plan`` decided and stage it for the next commit (now when ``commit``):
         with a database, the commit stores it and then sends its approvals; without one, it
         sends them and waits for their confirms."""
+        # Recorded from here on: the same decision again is not (see _record).
+        self._last.update(plan.last)
         if self.state is None:
             self._made(plan)
             self._staged.approvals += plan.approvals
@@ -734,9 +740,14 @@ class ApproverService:
         approval_id: str | None = None,
     ) -> None:
         key = (verdict.action.value, verdict.reason)
-        if self._last.get(state.event_id) == key and verdict.action is not Action.APPROVE:
+        event_id = state.event_id
+        last = plan.last.get(event_id) or self._last.get(event_id)
+        if last == key and verdict.action is not Action.APPROVE:
             return  # the same decision again: recorded once
-        self._last[state.event_id] = key
+        # Taken as recorded once the plan is settled (_settle): a handling that fails after
+        # this drops the decision, and its retry, deciding the same again, records it. Taken
+        # at once, the retry found it recorded and the ledger never had it.
+        plan.last[event_id] = key
         at = self.clock()
         decision = Decision(
             event_id=state.event_id,

@@ -291,3 +291,63 @@ async def test_a_defect_deciding_a_released_event_costs_that_event_not_the_messa
     assert len(given_up) == 1
     assert "EVT-B" in given_up[0]
     assert "given up" in given_up[0]
+
+
+async def test_a_wait_decided_before_the_hold_check_failed_is_in_the_ledger(state_url, monkeypatch):
+    """Scale set S, at most two VMs down; EVT-A (web-1) and EVT-D (web-5) run. EVT-B needs two
+    VMs (web-2, web-3) and waits: four would be down. EVT-C (web-4) waits: three would be.
+    EVT-A's end frees one slot, and both are decided again in that order: EVT-B still waits
+    (three would be down now: a new decision), then EVT-C is approved, but the hold check's
+    database read fails (injected, once). EVT-B's new decision was taken as recorded when it
+    was made, so on the retry, deciding the same again, it was never written: ``audit history``
+    showed EVT-B waiting for four VMs while it waited for three. Now a decision counts as
+    recorded only once the handling that made it went through."""
+    monkeypatch.setattr(_approver, "HOUSEKEEPING_SECONDS", 3600.0)
+    now = datetime.now(UTC)
+    later = now + timedelta(minutes=15)
+    web = {n: vm(f"web-{n}", scale_set="S") for n in range(1, 6)}
+    a = event("EVT-A", source="User", resources=("web-1",), not_before=later)
+    a_started = event("EVT-A", source="User", status="Started", resources=("web-1",))
+    d = event("EVT-D", source="User", resources=("web-5",), not_before=later)
+    b = event("EVT-B", source="User", resources=("web-2", "web-3"), not_before=later)
+    c = event("EVT-C", source="User", resources=("web-4",), not_before=later)
+    ledger = open_ledger(state_url)
+    async with MemoryTransport(f"retry-{uuid.uuid4().hex}") as transport, ledger:
+        holds = _HoldsReadFails(ledger.db)
+        service = ApproverService(transport, generate_signing_key(), _cap(2), db=ledger.db)
+        await transport.declare_group("approver")
+        runner = asyncio.create_task(service.run())
+        try:
+            beats = [heartbeat(who, at=now) for who in web.values()]
+            await _publish(
+                transport,
+                *beats,
+                transition("scheduled", a, web[1], at=now),
+                transition("scheduled", d, web[5], at=now),
+            )
+            assert [x.event_id for x in await _approvals(transport, "web-1", 2)] == ["EVT-A"]
+            assert [x.event_id for x in await _approvals(transport, "web-5", 2)] == ["EVT-D"]
+            soon = now + timedelta(seconds=1)
+            await _publish(
+                transport,
+                transition("scheduled", b, web[2], at=now),
+                transition("scheduled", c, web[4], at=now),
+                transition("started", a_started, web[1], at=soon),
+            )
+            await _handled(service, 10)
+            holds.arm()
+            done = transition("completed", a_started, web[1], at=now + timedelta(seconds=2))
+            await _publish(transport, done)
+            got = await _approvals(transport, "web-4", 3)
+        finally:
+            service.stop()
+            await asyncio.wait_for(runner, 5)
+        history = await ledger.history(event_id="EVT-B")
+    assert holds.failed == 1
+    assert service.stream.stats.retried == 1
+    assert [x.event_id for x in got] == ["EVT-C"]
+    waits = [entry.body["reason"] for entry in history if entry.kind == "decision.wait"]
+    assert [reason.split(", but ")[-1] for reason in waits] == [
+        "4 VMs of scale_set=S would be unavailable (at most 2)",
+        "3 VMs of scale_set=S would be unavailable (at most 2)",
+    ]
