@@ -42,7 +42,7 @@ from schemas import (
     load_signing_key,
 )
 from schemas.approvals import write_key_pair
-from schemas.observability import HealthServer, Registry
+from schemas.observability import HealthServer, LineFormatter, Registry
 from schemas.origin import OriginVerifier
 from schemas.transport import broker_kind, open_transport, redact
 
@@ -806,13 +806,17 @@ def _environment_defaults(parser: argparse.ArgumentParser) -> None:
             action.required = False
 
 
+def configure_logging(level: str) -> None:
+    """The services' log on stderr: one line per record, whatever the inputs it quotes say
+    (:class:`~schemas.observability.LineFormatter`)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level), handlers=[handler])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     try:
         result: int = asyncio.run(args.run(args))
     except (ConfigError, SchemaError) as exc:

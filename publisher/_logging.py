@@ -7,6 +7,8 @@ import logging
 import sys
 from datetime import UTC, datetime
 
+from schemas.observability import LineFormatter
+
 __all__ = ["JsonFormatter", "configure_logging"]
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
@@ -38,7 +40,7 @@ def configure_logging(log_format: str = "text", level: str = "INFO") -> None:
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+        handler.setFormatter(LineFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

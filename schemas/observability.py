@@ -22,14 +22,38 @@ import bisect
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Sequence
 
-__all__ = ["Counter", "Gauge", "HealthServer", "Histogram", "Registry"]
+__all__ = ["Counter", "Gauge", "HealthServer", "Histogram", "LineFormatter", "Registry"]
 
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Health = Callable[[], tuple[bool, dict[str, object]]]
+
+
+#: C0 and C1 control characters, DEL, and the two Unicode line separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _visible(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+class LineFormatter(logging.Formatter):
+    """A text log of one line per record: the agent's and the central services' own.
+
+    Log messages quote what inputs say (message ids, VM names, event ids and descriptions from
+    IMDS, header names): a newline in one of them began a line of its own, which a reader (or a
+    log pipeline) took for a record the process never wrote, and an escape sequence moved the
+    operator's terminal. Every control character of the message is written as ``\\xNN``; a
+    traceback that follows is left as Python wrote it."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _CONTROL.sub(_visible, record.message)
+        return super().formatMessage(record)
 
 
 def _escape(value: str) -> str:
