@@ -809,8 +809,9 @@ class ApproverService:
                     log.warning("approvals not confirmed (%s): sent again within a second", exc)
                 except Exception:  # a task's error would otherwise surface only when collected
                     log.exception(
-                        "settling sent approvals failed: the state is loaded again before the "
-                        "next decision, and what is still 'sending' goes out again"
+                        "settling sent approvals failed: the events it was deciding are decided "
+                        "again before the next message (or within a second), and what is still "
+                        "'sending' goes out again"
                     )
 
         task = asyncio.create_task(send(), name="approver-send")
