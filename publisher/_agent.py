@@ -232,6 +232,10 @@ class Agent:
             if identity is None:
                 return
             self.identity = identity
+            # Before anything of the store is used (outbox, document, intents, hook runs,
+            # sequence): a store another VM left here (a golden image, a copied disk) is
+            # moved aside, and this VM starts a store of its own.
+            await store.claim(identity)
             await self._serve(identity, store, imds, transport, trusted)
         finally:
             if handle_signals:

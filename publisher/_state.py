@@ -12,6 +12,13 @@ off is reported or run again, never forgotten. Rows leave the outbox only after 
 confirmed them; a row that cannot be sent (unreadable, or refused by the broker for good) is
 set aside in its own table, never deleted.
 
+A store belongs to one VM: it records the VM (its vmId, and its name) the first time an agent
+that knows its identity uses it, and an agent that finds another VM's store (a golden image
+captured from a VM that ran the agent, a cloned or attached disk, a restored snapshot) moves it
+aside whole and starts a new one (:meth:`StateStore.claim`): the other VM's unsent messages,
+IMDS document, approval intents, hook runs and epoch are that VM's, never this one's. The model
+is cloud-init's instance-id check.
+
 SQLite runs on one worker thread, never on the event loop: the store's own, or one it is given
 (many agents in one process, as in the fleet benchmark, share one thread instead of holding one
 each).
@@ -20,6 +27,7 @@ each).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -31,22 +39,30 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from schemas import ConfigError, LifecycleMessage, MessageType, ScheduledEventsDocument
+from schemas import (
+    ConfigError,
+    LifecycleMessage,
+    MessageType,
+    ScheduledEventsDocument,
+    VmIdentity,
+)
 from schemas.messages import MAX_SEQUENCE
 
 __all__ = [
     "STATE_FILE",
     "ApprovalRecord",
+    "Claim",
     "Committed",
     "HookRun",
     "Intent",
     "OutboxRow",
+    "Owner",
     "StateStore",
     "StoredState",
 ]
@@ -199,6 +215,62 @@ class ApprovalRecord:
     applied_by: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The VM a store belongs to, as IMDS named it to the agent that recorded it."""
+
+    name: str
+    #: Azure's vmId; empty when IMDS gave none.
+    vm_id: str = ""
+
+    @classmethod
+    def of(cls, identity: VmIdentity) -> Owner:
+        return cls(identity.name, _guid(identity.vm_id))
+
+    def is_same_vm(self, other: Owner) -> bool:
+        """As Azure compares them: by vmId when both are known (a VM deleted and made again
+        under its name is another VM), else by name; a vmId is a GUID, compared by value (case
+        and form do not count), a name is a resource name, whose case does not count. A vmId
+        missing (or not a GUID) on one side is no reason to call it another VM."""
+        mine, theirs = _guid(self.vm_id), _guid(other.vm_id)
+        if mine and theirs:
+            return mine == theirs
+        return self.name.casefold() == other.name.casefold()
+
+    @property
+    def shown_name(self) -> str:
+        """The name for a log line: as it is, or quoted when it holds anything else."""
+        return self.name if _PLAIN.fullmatch(self.name) else _shown(self.name, 80)
+
+    def __str__(self) -> str:
+        name = self.shown_name
+        if not self.vm_id:
+            return name
+        vm_id = self.vm_id if _PLAIN.fullmatch(self.vm_id) else _shown(self.vm_id, 80)
+        return f"{name} (vmId {vm_id})"
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What :meth:`StateStore.claim` found and did."""
+
+    #: ``own`` (this VM's), ``new`` (no agent had used it), ``adopted`` (written by an earlier
+    #: version, which recorded no VM), ``unreadable`` (the VM it records cannot be read: kept)
+    #: or ``moved`` (another VM's: moved aside, and a new store begun).
+    outcome: str
+    #: The VM the store recorded (``moved``: the other VM).
+    previous: Owner | None = None
+    #: Where another VM's store was moved (``moved``).
+    moved_to: Path | None = None
+    #: The store's messages not yet sent (``moved``: the other VM's, now never sent from here).
+    unsent: int = 0
+    #: ``moved``: the other VM's approval intents and hook runs, not reconciled nor run here.
+    intents: int = 0
+    hook_runs: int = 0
+    #: ``unreadable``: why the recorded VM cannot be read.
+    why: str = ""
+
+
 class StateStore:
     """Open with :meth:`open`; ``path`` None keeps everything in memory (demo, tests, the fleet
     benchmark's agents). A store on disk runs SQLite on a thread (a commit waits for the disk);
@@ -249,6 +321,56 @@ class StateStore:
         store = cls(connection, executor, limit, owns_executor=owns)
         store.path = path
         return store
+
+    async def claim(self, identity: VmIdentity) -> Claim | None:
+        """Make the store this VM's, once the agent knows its identity and before anything of
+        the store is used: record the VM in a store that names none (a new one, or one an
+        earlier version wrote: adopted, kept whole), keep a store that names this VM, and move
+        a store that names another VM aside (the database and its -wal/-shm files, renamed in
+        the same directory: :func:`_aside_path`), starting a new one in its place. Only a
+        recorded VM that differs from ``identity`` moves a store; one that cannot be read does
+        not. None for a store in memory: it is this process's alone."""
+        if self.path is None:
+            return None
+        owner = Owner.of(identity)
+        claim: Claim
+        self._db, claim = await self._run(_claim, self.path, owner)
+        if claim.outcome == "moved":
+            self._hook_rows_reported = set()
+            log.warning(
+                "state %s belongs to another VM, %s, not to this one, %s: it came from that VM "
+                "(an image made from it, a copied or attached disk, a restored snapshot). "
+                "Moved aside whole to %s (kept, not deleted): %s's %d unsent message(s) are not "
+                "published from here, nor are its %d approval intent(s) reconciled or its %d "
+                "hook run(s) run. This agent starts with a new store (a new epoch) and "
+                "announces this VM's events afresh",
+                self.path,
+                claim.previous,
+                owner,
+                claim.moved_to,
+                "the other VM" if claim.previous is None else claim.previous.shown_name,
+                claim.unsent,
+                claim.intents,
+                claim.hook_runs,
+            )
+        elif claim.outcome == "adopted":
+            log.info(
+                "state %s recorded no VM (an earlier version wrote it): kept whole as this VM's, "
+                "%s, its %d unsent message(s) included; from now on an agent on another VM "
+                "moves it aside",
+                self.path,
+                owner,
+                claim.unsent,
+            )
+        elif claim.outcome == "unreadable":
+            log.warning(
+                "state %s: the VM it belongs to cannot be read (%s): kept as this VM's, %s, and "
+                "recorded so (a store is moved aside only when it names another VM)",
+                self.path,
+                claim.why,
+                owner,
+            )
+        return claim
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         if self._executor is None:
@@ -623,6 +745,156 @@ def _check_sequence(db: sqlite3.Connection, path: Path | None) -> None:
         floor - 1,
         floor,
     )
+
+
+# --------------------------------------------------------------------- whose store it is
+
+#: A name or vmId shown in a log line as it is; anything else is quoted (:func:`_shown`), so a
+#: stored value cannot write lines of its own into the log.
+_PLAIN = re.compile(r"[A-Za-z0-9_.-]{1,80}")
+#: The meta rows that record the VM a store belongs to.
+_OWNER_NAME, _OWNER_VM_ID = "owner_name", "owner_vm_id"
+
+
+def _guid(vm_id: str) -> str:
+    """A vmId in its one canonical form, or "" when it is not a GUID (IMDS gave none, or a
+    ``null`` that was read as the text ``None``): such a value names no VM."""
+    try:
+        return str(uuid.UUID(vm_id))
+    except ValueError:
+        return ""
+
+
+def _owner_cell(db: sqlite3.Connection, key: str) -> str | None:
+    """A row of the owner, text as this agent writes it; :class:`_Unreadable` otherwise."""
+    row = db.execute(f"SELECT {_cells('value')} FROM meta WHERE key = ?", (key,)).fetchone()
+    return None if row is None else _text_cell(key, row[0], row[1])
+
+
+def _recorded_owner(db: sqlite3.Connection) -> Owner | None:
+    """The VM the store records, None when it records none (new, or an earlier version's);
+    :class:`_Unreadable` for rows this agent does not write (a hand edit, a damaged disk)."""
+    name = _owner_cell(db, _OWNER_NAME)
+    vm_id = _owner_cell(db, _OWNER_VM_ID)
+    if name is None and vm_id is None:
+        return None
+    if not name:
+        raise _Unreadable(f"{_OWNER_NAME} is {'missing' if name is None else 'empty'}")
+    return Owner(name, vm_id or "")
+
+
+def _set_owner(db: sqlite3.Connection, owner: Owner) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        _set_meta(db, _OWNER_NAME, owner.name)
+        _set_meta(db, _OWNER_VM_ID, owner.vm_id)
+        db.execute("COMMIT")
+    except BaseException:
+        _rollback(db)
+        raise
+
+
+def _claim(db: sqlite3.Connection, path: Path, owner: Owner) -> tuple[sqlite3.Connection, Claim]:
+    """See :meth:`StateStore.claim`: the connection to use from now on, and what was done."""
+    try:
+        recorded = _recorded_owner(db)
+    except _Unreadable as exc:
+        _set_owner(db, owner)
+        return db, Claim("unreadable", why=str(exc))
+    if recorded is None:
+        # A store no agent has committed to yet is new; one with a sequence, a document or
+        # messages was written by an earlier version, which recorded no VM.
+        new = _meta(db, "next_sequence") is None and _meta(db, "document") is None
+        new = new and _depth(db) == 0
+        _set_owner(db, owner)
+        return db, Claim("new" if new else "adopted", unsent=_depth(db))
+    if recorded.is_same_vm(owner):
+        # As IMDS names it now; a vmId recorded is kept when IMDS gave none this time.
+        current = Owner(owner.name, owner.vm_id or recorded.vm_id)
+        if current != recorded:
+            _set_owner(db, current)
+        return db, Claim("own", previous=recorded)
+    # Another VM's: counted for the operator before it is moved, never used here.
+    claim = Claim(
+        "moved",
+        previous=recorded,
+        unsent=_depth(db),
+        intents=_count(db, "approval_intents"),
+        hook_runs=_count(db, "hook_runs"),
+    )
+    # Everything into the database file itself, so that file alone holds the store (its -wal
+    # is then empty, or gone with the close), before it is renamed.
+    with contextlib.suppress(sqlite3.Error):
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    moved = _move_aside(path, recorded)
+    fresh = _connect(path.parent, path)
+    try:
+        _set_owner(fresh, owner)
+    except BaseException:
+        fresh.close()
+        raise
+    return fresh, replace(claim, moved_to=moved)
+
+
+#: What SQLite keeps beside a database in WAL mode, named after it.
+_COMPANIONS = ("-wal", "-shm")
+
+
+def _aside_path(path: Path, owner: Owner) -> Path:
+    """``<file>.from-<the VM>-<UTC time>`` in the same directory (``.2``, ``.3``... after it
+    when that name is taken): a name that says whose the store was and when it was moved. The
+    VM's name is reduced to the characters an Azure name may hold, as the stored one may be
+    anything."""
+    word = re.sub(r"[^a-z0-9_.-]+", "_", owner.name.casefold())[:64] or "unnamed"
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    base = f"{path.name}.from-{word}-{stamp}"
+    n = 1
+    while True:
+        candidate = path.with_name(base if n == 1 else f"{base}.{n}")
+        taken = (Path(f"{candidate}{suffix}") for suffix in ("", *_COMPANIONS))
+        if not any(os.path.lexists(p) for p in taken):
+            return candidate
+        n += 1
+
+
+def _move_aside(path: Path, owner: Owner) -> Path:
+    """Rename the store at ``path`` and its -wal/-shm files to :func:`_aside_path`. The -wal
+    and -shm go first: a new store must never find another database's -wal under its name
+    (SQLite would replay that database's pages into it). A rename that fails puts back what
+    was moved and stops the start: this VM must not use the other VM's store."""
+    aside = _aside_path(path, owner)
+    done: list[tuple[Path, Path]] = []
+    try:
+        for suffix in (*_COMPANIONS, ""):
+            source, target = Path(f"{path}{suffix}"), Path(f"{aside}{suffix}")
+            if os.path.lexists(source):
+                os.rename(source, target)
+                done.append((source, target))
+    except OSError as exc:
+        for source, target in reversed(done):
+            with contextlib.suppress(OSError):
+                os.rename(target, source)
+        raise ConfigError(
+            f"state_dir: {path} is the state of another VM, {owner}, and cannot be moved aside "
+            f"({exc.strerror or exc}): move it (and its -wal and -shm files) out of the way, "
+            "and start the agent again"
+        ) from exc
+    _sync_directory(path.parent)
+    return aside
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the renames durable before the new store is written beside them."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _revisions(db: sqlite3.Connection, path: Path | None) -> dict[str, int]:
