@@ -53,7 +53,7 @@ from ._approvals import ApprovalHandler
 from ._hooks import HookRunner
 from ._imds import ImdsClient, with_retries
 from ._observability import Metrics
-from ._origin import OriginSigner, load_origin_key
+from ._origin import KEY_FILE, OriginSigner, load_origin_key
 from ._outbox import OutboxPublisher
 from ._poller import Cadence, RequestLimiter
 from ._settings import AgentSettings
@@ -234,8 +234,10 @@ class Agent:
             self.identity = identity
             # Before anything of the store is used (outbox, document, intents, hook runs,
             # sequence): a store another VM left here (a golden image, a copied disk) is
-            # moved aside, and this VM starts a store of its own.
-            await store.claim(identity)
+            # moved aside, and this VM starts a store of its own. That VM's origin key goes
+            # with it: a key every VM of an image shares is no VM's own (any of them could
+            # sign as another whose attestation of that key it has seen).
+            await store.claim(identity, with_files=(KEY_FILE,))
             await self._serve(identity, store, imds, transport, trusted)
         finally:
             if handle_signals:

@@ -269,6 +269,10 @@ class Claim:
     hook_runs: int = 0
     #: ``unreadable``: why the recorded VM cannot be read.
     why: str = ""
+    #: ``moved``: the other files of the VM's moved with the store (names in the state dir),
+    #: each renamed by adding ``aside_suffix`` (``.from-<vm>-<UTC time>``).
+    files_moved: tuple[str, ...] = ()
+    aside_suffix: str = ""
 
 
 class StateStore:
@@ -322,25 +326,27 @@ class StateStore:
         store.path = path
         return store
 
-    async def claim(self, identity: VmIdentity) -> Claim | None:
+    async def claim(self, identity: VmIdentity, *, with_files: Sequence[str] = ()) -> Claim | None:
         """Make the store this VM's, once the agent knows its identity and before anything of
         the store is used: record the VM in a store that names none (a new one, or one an
         earlier version wrote: adopted, kept whole), keep a store that names this VM, and move
         a store that names another VM aside (the database and its -wal/-shm files, renamed in
-        the same directory: :func:`_aside_path`), starting a new one in its place. Only a
+        the same directory: :func:`_aside_suffix`), starting a new one in its place. Only a
         recorded VM that differs from ``identity`` moves a store; one that cannot be read does
-        not. None for a store in memory: it is this process's alone."""
+        not. ``with_files``: other files of the state dir that are the VM's as the store is
+        (the origin key), moved aside with it when they are there. None for a store in
+        memory: it is this process's alone."""
         if self.path is None:
             return None
         owner = Owner.of(identity)
         claim: Claim
-        self._db, claim = await self._run(_claim, self.path, owner)
+        self._db, claim = await self._run(_claim, self.path, owner, tuple(with_files))
         if claim.outcome == "moved":
             self._hook_rows_reported = set()
             log.warning(
                 "state %s belongs to another VM, %s, not to this one, %s: it came from that VM "
                 "(an image made from it, a copied or attached disk, a restored snapshot). "
-                "Moved aside whole to %s (kept, not deleted): %s's %d unsent message(s) are not "
+                "Moved aside whole to %s%s (kept, not deleted): %s's %d unsent message(s) are not "
                 "published from here, nor are its %d approval intent(s) reconciled or its %d "
                 "hook run(s) run. This agent starts with a new store (a new epoch) and "
                 "announces this VM's events afresh",
@@ -348,6 +354,7 @@ class StateStore:
                 claim.previous,
                 owner,
                 claim.moved_to,
+                "".join(f", and {f} to {f}{claim.aside_suffix}" for f in claim.files_moved),
                 "the other VM" if claim.previous is None else claim.previous.shown_name,
                 claim.unsent,
                 claim.intents,
@@ -794,7 +801,9 @@ def _set_owner(db: sqlite3.Connection, owner: Owner) -> None:
         raise
 
 
-def _claim(db: sqlite3.Connection, path: Path, owner: Owner) -> tuple[sqlite3.Connection, Claim]:
+def _claim(
+    db: sqlite3.Connection, path: Path, owner: Owner, with_files: tuple[str, ...]
+) -> tuple[sqlite3.Connection, Claim]:
     """See :meth:`StateStore.claim`: the connection to use from now on, and what was done."""
     try:
         recorded = _recorded_owner(db)
@@ -827,47 +836,63 @@ def _claim(db: sqlite3.Connection, path: Path, owner: Owner) -> tuple[sqlite3.Co
     with contextlib.suppress(sqlite3.Error):
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     db.close()
-    moved = _move_aside(path, recorded)
+    moved, files = _move_aside(path, recorded, with_files)
     fresh = _connect(path.parent, path)
     try:
         _set_owner(fresh, owner)
     except BaseException:
         fresh.close()
         raise
-    return fresh, replace(claim, moved_to=moved)
+    suffix = moved.name.removeprefix(path.name)
+    return fresh, replace(claim, moved_to=moved, files_moved=files, aside_suffix=suffix)
 
 
 #: What SQLite keeps beside a database in WAL mode, named after it.
 _COMPANIONS = ("-wal", "-shm")
 
 
-def _aside_path(path: Path, owner: Owner) -> Path:
-    """``<file>.from-<the VM>-<UTC time>`` in the same directory (``.2``, ``.3``... after it
-    when that name is taken): a name that says whose the store was and when it was moved. The
-    VM's name is reduced to the characters an Azure name may hold, as the stored one may be
-    anything."""
+def _aside_suffix(path: Path, owner: Owner, with_files: tuple[str, ...]) -> str:
+    """``.from-<the VM>-<UTC time>`` (``.2``, ``.3``... after it when a name it makes is
+    taken), added to the name of each file moved aside: it says whose the files were and when
+    they were moved. The VM's name is reduced to the characters an Azure name may hold, as the
+    stored one may be anything."""
     word = re.sub(r"[^a-z0-9_.-]+", "_", owner.name.casefold())[:64] or "unnamed"
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    base = f"{path.name}.from-{word}-{stamp}"
+    base = f".from-{word}-{stamp}"
+    names = [path.name + companion for companion in ("", *_COMPANIONS)] + list(with_files)
     n = 1
     while True:
-        candidate = path.with_name(base if n == 1 else f"{base}.{n}")
-        taken = (Path(f"{candidate}{suffix}") for suffix in ("", *_COMPANIONS))
+        suffix = base if n == 1 else f"{base}.{n}"
+        taken = (path.with_name(_suffixed(name, suffix)) for name in names)
         if not any(os.path.lexists(p) for p in taken):
-            return candidate
+            return suffix
         n += 1
 
 
-def _move_aside(path: Path, owner: Owner) -> Path:
-    """Rename the store at ``path`` and its -wal/-shm files to :func:`_aside_path`. The -wal
-    and -shm go first: a new store must never find another database's -wal under its name
-    (SQLite would replay that database's pages into it). A rename that fails puts back what
-    was moved and stops the start: this VM must not use the other VM's store."""
-    aside = _aside_path(path, owner)
+def _suffixed(name: str, suffix: str) -> str:
+    """A file's name moved aside; the -wal and -shm keep their ending, so SQLite opening the
+    moved database finds its -wal."""
+    for companion in _COMPANIONS:
+        if name.endswith(companion):
+            return f"{name.removesuffix(companion)}{suffix}{companion}"
+    return f"{name}{suffix}"
+
+
+def _move_aside(
+    path: Path, owner: Owner, with_files: tuple[str, ...]
+) -> tuple[Path, tuple[str, ...]]:
+    """Rename the store at ``path``, its -wal/-shm files and those of ``with_files`` that are
+    there, adding :func:`_aside_suffix`; the store's new path and the other files moved. The
+    -wal and -shm go before the database: a new store must never find another database's -wal
+    under its name (SQLite would replay that database's pages into it). A rename that fails
+    puts back what was moved and stops the start: this VM must not use the other VM's
+    state."""
+    suffix = _aside_suffix(path, owner, with_files)
+    names = [path.name + companion for companion in (*_COMPANIONS, "")] + list(with_files)
     done: list[tuple[Path, Path]] = []
     try:
-        for suffix in (*_COMPANIONS, ""):
-            source, target = Path(f"{path}{suffix}"), Path(f"{aside}{suffix}")
+        for name in names:
+            source, target = path.with_name(name), path.with_name(_suffixed(name, suffix))
             if os.path.lexists(source):
                 os.rename(source, target)
                 done.append((source, target))
@@ -877,11 +902,13 @@ def _move_aside(path: Path, owner: Owner) -> Path:
                 os.rename(target, source)
         raise ConfigError(
             f"state_dir: {path} is the state of another VM, {owner}, and cannot be moved aside "
-            f"({exc.strerror or exc}): move it (and its -wal and -shm files) out of the way, "
-            "and start the agent again"
+            f"({exc.strerror or exc}): move it (and its -wal and -shm files"
+            f"{''.join(f', {name}' for name in with_files)}) out of the way, and start the "
+            "agent again"
         ) from exc
     _sync_directory(path.parent)
-    return aside
+    moved = tuple(source.name for source, _ in done if source.name in with_files)
+    return path.with_name(_suffixed(path.name, suffix)), moved
 
 
 def _sync_directory(directory: Path) -> None:

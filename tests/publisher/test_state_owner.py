@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from publisher._origin import KEY_FILE
 from publisher._state import STATE_FILE, StateStore
 from publisher.simulator import EventSpec, EventType
 from schemas import (
@@ -308,3 +309,27 @@ async def test_a_stored_vm_name_cannot_move_the_store_out_of_its_directory(
     assert not (tmp_path / "evil").exists()
     (warning,) = [r.getMessage() for r in caplog.records if moved.name in r.getMessage()]
     assert "\n" not in warning
+
+
+async def test_the_other_vms_origin_key_is_moved_aside_with_its_store(tmp_path: Path) -> None:
+    """Where messages carry a signed origin (Service Bus), the key is made once in the state
+    dir: every VM made from an image that held one signed with that one key, so any of them
+    holding another's attestation of it (which travels with that VM's messages) could sign as
+    that VM. It moves aside with the other VM's store, and this VM makes a key of its own."""
+    broker = _memory("owner-key")
+    state = tmp_path / "state"
+    async with (
+        simulator_server("web-7", "web-8") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        web7 = settings_for(server, "web-7", broker.url, broker.channels, state, sign_messages="on")
+        async with running(web7):
+            await rec.wait_kind(MessageType.AGENT_ONLINE)
+        key_of_web7 = (state / KEY_FILE).read_bytes()
+        web8 = settings_for(server, "web-8", broker.url, broker.channels, state, sign_messages="on")
+        async with running(web8):
+            await rec.wait_for(lambda ms: any(m.vm.name == "web-8" for m in ms))
+    (moved,) = _moved(state)
+    suffix = moved.name.removeprefix(STATE_FILE)
+    assert (state / f"{KEY_FILE}{suffix}").read_bytes() == key_of_web7
+    assert (state / KEY_FILE).read_bytes() != key_of_web7
