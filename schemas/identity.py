@@ -27,6 +27,17 @@ def _as_int(value: object) -> int | None:
         return None
 
 
+def _text(value: object) -> str:
+    """A text field of the compute section: absent or null is empty (``str(None)`` made a VM's
+    vmId, and its CloudEvents source, the text "None"); a number is its digits; a list or an
+    object is not a text, and is left empty rather than written out as Python's repr."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return ""
+
+
 class VmIdentity(BaseModel):
     """A VM's identity. ``name`` is the compute name, as IMDS lists it in ``Resources``
     (for a scale-set VM ``{scale-set}_{instance-id}``)."""
@@ -48,18 +59,18 @@ class VmIdentity(BaseModel):
     def from_instance_metadata(cls, document: object) -> VmIdentity:
         """Build from the JSON of ``GET /metadata/instance`` (its ``compute`` section)."""
         compute: Any = document.get("compute") if isinstance(document, dict) else None
-        if not isinstance(compute, dict) or not compute.get("name"):
+        if not isinstance(compute, dict) or not _text(compute.get("name")):
             raise SchemaError("the instance metadata has no compute.name")
         try:
             return cls(
-                name=str(compute["name"]),
-                vm_id=str(compute.get("vmId", "")),
-                resource_id=str(compute.get("resourceId", "")),
-                subscription_id=str(compute.get("subscriptionId", "")),
-                resource_group=str(compute.get("resourceGroupName", "")),
-                location=str(compute.get("location", "")),
-                scale_set=compute.get("vmScaleSetName") or None,
-                zone=compute.get("zone") or None,
+                name=_text(compute["name"]),
+                vm_id=_text(compute.get("vmId")),
+                resource_id=_text(compute.get("resourceId")),
+                subscription_id=_text(compute.get("subscriptionId")),
+                resource_group=_text(compute.get("resourceGroupName")),
+                location=_text(compute.get("location")),
+                scale_set=_text(compute.get("vmScaleSetName")) or None,
+                zone=_text(compute.get("zone")) or None,
                 fault_domain=_as_int(compute.get("platformFaultDomain")),
                 update_domain=_as_int(compute.get("platformUpdateDomain")),
             )
