@@ -474,7 +474,11 @@ def _parser() -> argparse.ArgumentParser:
         help="read the broker URL from FILE (its first line): keeps the secret out of the "
         "command line and the environment (systemd LoadCredential=)",
     )
-    p.add_argument("--state-dir", help=f"SQLite state directory (default {DEFAULT_STATE_DIR})")
+    p.add_argument(
+        "--state-dir",
+        help=f"SQLite state directory (default {DEFAULT_STATE_DIR}); it records its VM, and a "
+        "state another VM wrote (a disk or image cloned from it) is moved aside, never used",
+    )
     p.add_argument("--poll-interval", help="seconds between polls when idle (default 1)")
     p.add_argument("--fast-poll-interval", help="seconds between polls while busy (default 0.5)")
     p.add_argument(
