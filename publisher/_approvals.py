@@ -456,9 +456,32 @@ class ApprovalHandler:
 
     def _check_in(self, document: ScheduledEventsDocument, approval: Approval) -> ScheduledEvent:
         """The event ``approval`` starts, if ``document`` shows it may be started: listing
-        this VM, Scheduled, at the version approved; else :class:`ApprovalRejected`."""
+        this VM, Scheduled, at the version approved; else :class:`ApprovalRejected`.
+
+        ``document`` is IMDS's answer itself: an event it lists but that cannot be read is not
+        in its events (the watcher holds it at its last readable state, which is not what IMDS
+        says now). It is refused as ``imds-refused`` (IMDS could not say what the event is; the
+        approver tries again later, and it may read by then), never started on a version read
+        before."""
         vm = self._identity.name
+        unreadable = [u for u in document.unreadable if u.event_id == approval.event_id]
+        if unreadable:
+            raise ApprovalRejected(
+                RejectReason.IMDS_REFUSED,
+                f"event {approval.event_id} is listed by IMDS (incarnation "
+                f"{document.document_incarnation}) but cannot be read ({unreadable[0].reason}): "
+                "what it is now is unknown, so it is not started; approve it again once IMDS "
+                "describes it readably",
+            )
         event = document.event(approval.event_id)
+        if event is None and document.unidentified:
+            raise ApprovalRejected(
+                RejectReason.IMDS_REFUSED,
+                f"event {approval.event_id} is not among the events IMDS lists readably "
+                f"(incarnation {document.document_incarnation}), and IMDS also lists an event "
+                "whose EventId cannot be read, which may be this one: it cannot be read, so it "
+                "is not started; approve it again once IMDS describes it readably",
+            )
         if event is None:
             raise ApprovalRejected(
                 RejectReason.EVENT_NOT_FOUND,

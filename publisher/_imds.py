@@ -4,7 +4,8 @@ Over :mod:`publisher._http` (never through a proxy, no redirect followed), alway
 ``Metadata: true`` header, every request through the shared
 :class:`~publisher._poller.RequestLimiter`. An error is an error: a 5xx, a 429, a timeout or a
 body that is not a document raises :class:`~schemas.ImdsError` (``kind`` says which), never an
-empty event list.
+empty event list. A document one of whose events cannot be read is a document: that event is in
+its ``unreadable`` list, and the watcher decides what it means (it is never taken for gone).
 
 IMDS cannot stall or swell the agent: every request has an overall ``deadline`` (connect, send,
 every byte of the answer: a server dripping one byte every two seconds fails at the deadline,
@@ -199,7 +200,9 @@ class ImdsClient:
         try:
             data = _document_json(raw)
             # A document without its Events list is garbage, not "no events": only IMDS saying
-            # "Events": [] may empty the list.
+            # "Events": [] may empty the list. An item of the list that is not a valid event is
+            # not: the document keeps it as unreadable (one neighbour's broken event must not
+            # hide this VM's own).
             if not isinstance(data, dict) or not isinstance(data.get("Events"), list):
                 raise SchemaError("the answer has no Events list")
             document = ScheduledEventsDocument.from_imds(data)

@@ -29,6 +29,16 @@ class Metrics:
             "agent_imds_stale_documents",
             "Documents older than the last one trusted, held back instead of diffed",
         )
+        self.unreadable_events = r.counter(
+            "agent_imds_unreadable_events",
+            "Events IMDS listed that could not be read (a field missing or invalid), each counted "
+            "once while listed: the answer's other events are published, and it is held at its "
+            "last readable state",
+        )
+        self.unreadable_listed = r.gauge(
+            "agent_imds_unreadable_events_listed",
+            "Events that could not be read in the last IMDS answer taken",
+        )
         self.transitions = r.counter(
             "agent_transitions", "Transitions published, by kind", ["kind"]
         )

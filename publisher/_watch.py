@@ -10,7 +10,15 @@ It trusts IMDS only as far as IMDS deserves:
   reset), and the log says so either way. So a stale answer for a second never completes an
   event still running, starts one again, or publishes its real end under an id used already;
 - an event with a NotBefore that is not a date is kept (with a warning), so one bad field never
-  blinds the agent to the other events.
+  blinds the agent to the other events;
+- an event IMDS lists but that cannot be read (a field missing or invalid) costs that event only
+  (:func:`schemas.transitions.diff`): the answer's other events are published, the unreadable
+  one is held at its last readable state (never reported gone, never announced again), while an
+  unreadable item without a readable EventId is listed no event is taken for gone, and the
+  operator is warned once per such event while IMDS lists it. The document trusted and stored
+  (:func:`~schemas.transitions.kept_after`) holds what was last read; approvals are checked
+  against the answer itself, where the event is unreadable, so one is never started on what
+  cannot be read.
 
 Approvals ask for a document from a poll begun at a given time or later
 (:meth:`Watcher.document_since`): the last trusted one if it is that recent, the poll under way
@@ -42,6 +50,8 @@ from schemas import (
     revisions_after,
 )
 from schemas._backoff import Backoff
+from schemas.imds import UnreadableEvent
+from schemas.transitions import kept_after
 
 from ._hooks import HookRunner
 from ._imds import ImdsClient
@@ -61,6 +71,8 @@ IMDS_BACKOFF_CAP = 8.0
 
 #: How much of a malformed IMDS value a log line quotes (the document may hold 256 KB of it).
 _QUOTED = 80
+#: Unreadable events named one by one in the log for one answer; the rest in one line.
+_UNREADABLE_NAMED = 10
 
 
 class Watcher:
@@ -96,8 +108,12 @@ class Watcher:
         self._scope = scope
         self._stored_scope = stored_scope
         self._on_depth = on_depth
-        #: The last document trusted (committed): what transitions are computed from.
+        #: The last document trusted (committed): what transitions are computed from. It holds
+        #: the events held at their last readable state (see kept_after).
         self.document = previous
+        #: The answer that gave ``document``, as IMDS sent it (unreadable events unreadable):
+        #: what approvals are checked against. None until a poll of this run is trusted.
+        self._fresh: ScheduledEventsDocument | None = None
         self._revisions = revisions
         self._held_since: float | None = None
         self._held_polls = 0
@@ -109,6 +125,8 @@ class Watcher:
         self._document_began = float("-inf")
         #: Events listed now whose NotBefore is not a date, warned about already.
         self._warned_not_before: set[str] = set()
+        #: Unreadable events listed now, warned about (and counted) already.
+        self._warned_unreadable: set[tuple[str | None, str, int]] = set()
         #: Monotonic time of the last good poll; set when IMDS fails, cleared when it answers.
         self.last_poll: float | None = None
         self.failing_since: float | None = None
@@ -124,8 +142,8 @@ class Watcher:
         if its poll began then, else that of the poll under way if it did, else that of the
         next poll, made at once (``since`` now: a document fetched after this call).
         :class:`ImdsError` when that poll failed or IMDS answered an older document."""
-        if self.document is not None and self._document_began >= since:
-            return self.document
+        if self._fresh is not None and self._document_began >= since:
+            return self._fresh
         future: asyncio.Future[ScheduledEventsDocument] = asyncio.get_running_loop().create_future()
         if self._polling_began is not None and self._polling_began >= since:
             self._polling.append(future)
@@ -231,8 +249,8 @@ class Watcher:
         """Diff and commit ``document`` unless it is older than the one trusted; whether it is
         trusted now."""
         previous = self.document
-        if document is previous:
-            return True
+        if document is self._fresh:
+            return True  # the same answer again (the same bytes): nothing new
         if previous is not None and document.document_incarnation < previous.document_incarnation:
             if not self._hold(document, previous):
                 return False
@@ -245,7 +263,9 @@ class Watcher:
             )
             self._held_since, self._held_polls = None, 0
         self._warn_bad_not_before(document)
+        self._warn_unreadable(document)
         await self._commit(previous, document)
+        self._fresh = document
         return True
 
     def _hold(self, document: ScheduledEventsDocument, previous: ScheduledEventsDocument) -> bool:
@@ -299,6 +319,48 @@ class Watcher:
                     f"... {len(text)} characters" if len(text) > _QUOTED else "",
                 )
 
+    def _warn_unreadable(self, document: ScheduledEventsDocument) -> None:
+        """Once per unreadable event while IMDS lists it (counted then too): what is remembered
+        is bounded by one document, as for a bad NotBefore. An item without a readable EventId
+        is known by its reason and its place among the items with that reason."""
+        unreadable = document.unreadable
+        self._metrics.unreadable_listed.set(len(unreadable))
+        warned = self._warned_unreadable
+        if not unreadable:
+            warned.clear()
+            return
+        keys = _unreadable_keys(unreadable)
+        warned.intersection_update(keys)
+        new = [u for key, u in zip(keys, unreadable, strict=True) if key not in warned]
+        warned.update(keys)
+        if not new:
+            return
+        self._metrics.unreadable_events.inc(len(new))
+        for item in new[:_UNREADABLE_NAMED]:
+            if item.event_id is None:
+                log.warning(
+                    "IMDS lists an event whose EventId cannot be read (%s): its other events "
+                    "are published; while IMDS lists it no event is taken for ended (it could be "
+                    "any of them), and those gone meanwhile are reported once it is gone",
+                    item.reason,
+                )
+            else:
+                log.warning(
+                    "IMDS lists event %s, which cannot be read (%s): its other events are "
+                    "published; it is held at its last readable state (announced once it reads, "
+                    "if it never did), never reported gone while listed, and an approval of it "
+                    "is refused",
+                    _quoted(item.event_id),
+                    item.reason,
+                )
+        if len(new) > _UNREADABLE_NAMED:
+            log.warning(
+                "IMDS lists %d more events that cannot be read (incarnation %d), not named one "
+                "by one: each is held as the ones above",
+                len(new) - _UNREADABLE_NAMED,
+                document.document_incarnation,
+            )
+
     async def _ran_between_polls(self, transitions: list[Transition]) -> list[Transition]:
         """An event gone while still Scheduled is reported ``canceled``, unless this agent
         started it (its StartRequests POST succeeded, or went out and was never answered: IMDS
@@ -321,6 +383,8 @@ class Watcher:
         settings = self._settings
         vm = self._identity.name
         transitions = await self._ran_between_polls(diff(previous, document, self._revisions))
+        # The answer with the events it lists unreadable, or may list, held as last read.
+        document = kept_after(previous, document)
         revisions = revisions_after(self._revisions, transitions, document)
         chosen = [
             t
@@ -381,6 +445,25 @@ class Watcher:
             # polling fast by itself), and a neighbour's event is not this agent's to report:
             # neither costs the VM's shared IMDS budget anything more.
             self._cadence.boost()
+
+
+def _unreadable_keys(unreadable: tuple[UnreadableEvent, ...]) -> list[tuple[str | None, str, int]]:
+    """What tells each unreadable item of an answer from the others, and from one answer to the
+    next: its EventId, its reason, and how many items before it have both the same."""
+    counts: dict[tuple[str | None, str], int] = {}
+    keys = []
+    for item in unreadable:
+        n = counts.get((item.event_id, item.reason), 0)
+        counts[(item.event_id, item.reason)] = n + 1
+        keys.append((item.event_id, item.reason, n))
+    return keys
+
+
+def _quoted(text: str) -> str:
+    """IMDS's text in a log line: quoted (no line of its own) and cut to :data:`_QUOTED`."""
+    if len(text) <= _QUOTED:
+        return repr(text)
+    return f"{text[:_QUOTED]!r}... ({len(text)} characters)"
 
 
 def _listed_before(

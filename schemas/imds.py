@@ -5,6 +5,12 @@ Fields a version did not have take their documented meaning (``DurationInSeconds
 ``EventSource`` and unknown extra fields are kept, never rejected: an agent must not crash because
 Azure added something. :meth:`ScheduledEvent.to_imds` gives back the exact wire shape.
 
+An item of ``Events`` that is not a valid event (a required field missing, an EventId over
+:data:`MAX_KEY_LENGTH` characters, Resources that are not names...) costs that item, not the
+document: the document keeps the valid events and records what can be said of each unreadable
+one (:class:`UnreadableEvent`). Only the document's own structure (an object, its
+DocumentIncarnation, an Events list) decides whether an answer is a document at all.
+
 >>> doc = ScheduledEventsDocument.from_imds({"DocumentIncarnation": 1, "Events": []})
 >>> doc.events
 ()
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import email.utils
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from functools import cached_property
@@ -23,6 +31,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationError,
     WithJsonSchema,
@@ -41,6 +50,7 @@ __all__ = [
     "EventType",
     "ScheduledEvent",
     "ScheduledEventsDocument",
+    "UnreadableEvent",
     "format_not_before",
     "parse_not_before",
 ]
@@ -207,11 +217,74 @@ class ScheduledEvent(BaseModel):
         return any(resource.casefold() == wanted for resource in self.resources)
 
 
+#: The longest reason kept for an unreadable event (IMDS may send megabytes in one item).
+MAX_REASON_LENGTH = 200
+#: How many of an unreadable item's errors its reason names.
+_ERRORS_NAMED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableEvent:
+    """An item of ``Events`` that is not a valid event: all that is kept of it.
+
+    ``event_id`` is its EventId when that can be read as the contract takes one (a string of 1
+    to :data:`MAX_KEY_LENGTH` characters), else None: such an item could be any event.
+    ``reason`` says why it is not an event, in at most :data:`MAX_REASON_LENGTH` printable
+    characters. The item itself is not kept (it may be megabytes)."""
+
+    event_id: str | None
+    reason: str
+
+    @classmethod
+    def of(cls, item: object, error: ValidationError) -> UnreadableEvent:
+        """What is kept of ``item``, which is not a valid event (``error`` says why)."""
+        event_id = item.get("EventId") if isinstance(item, dict) else None
+        readable = isinstance(event_id, str) and 1 <= len(event_id) <= MAX_KEY_LENGTH
+        return cls(event_id if readable else None, _reason(error))
+
+    @classmethod
+    def not_an_object(cls, item: object) -> UnreadableEvent:
+        """What is kept of ``item``, which is not even an object (it has no EventId)."""
+        return cls(None, f"not an object: a JSON {_json_kind(item)}")
+
+
+def _reason(error: ValidationError) -> str:
+    """Why an item is not an event, short and printable: the fields at fault and what is wrong
+    with each (pydantic's own words, which name what was expected, not what IMDS sent)."""
+    errors = error.errors(include_url=False, include_input=False)
+    text = "; ".join(
+        f"{'.'.join(str(part) for part in e['loc']) or 'the event'}: {e['msg']}"
+        for e in errors[:_ERRORS_NAMED]
+    )
+    if len(errors) > _ERRORS_NAMED:
+        text += f"; and {len(errors) - _ERRORS_NAMED} more"
+    printable = "".join(c if c.isprintable() else "?" for c in text)
+    if len(printable) > MAX_REASON_LENGTH:
+        printable = printable[: MAX_REASON_LENGTH - 3] + "..."
+    return printable
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list | tuple):
+        return "list"
+    return type(value).__name__
+
+
 class ScheduledEventsDocument(BaseModel):
     """The whole answer of ``GET /metadata/scheduledevents``.
 
     Only a successful IMDS answer becomes a document: an error or a timeout is an
-    :class:`~schemas.ImdsError`, never an empty document.
+    :class:`~schemas.ImdsError`, never an empty document. ``events`` holds the valid events;
+    ``unreadable`` what can be said of the items that are not (never on the wire: what the
+    document gives back, and what the agent stores, are its valid events).
     """
 
     model_config = ConfigDict(
@@ -220,14 +293,40 @@ class ScheduledEventsDocument(BaseModel):
 
     document_incarnation: int = Field(alias="DocumentIncarnation", ge=0)
     events: tuple[ScheduledEvent, ...] = Field(alias="Events")
+    _unreadable: tuple[UnreadableEvent, ...] = PrivateAttr(default=())
 
     @classmethod
     def from_imds(cls, data: object) -> ScheduledEventsDocument:
-        """Validate a decoded JSON document; :class:`SchemaError` when it is not one."""
+        """Validate a decoded JSON document; :class:`SchemaError` when it is not one (not an
+        object, no valid DocumentIncarnation, no Events list). An item of Events that is not a
+        valid event is recorded in :attr:`unreadable` instead of failing the document."""
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(data)  # every event valid: the usual answer, at once
+        except ValidationError as exc:
+            structure = exc
+        items = data.get("Events") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or not isinstance(items, list | tuple):
+            raise SchemaError(f"not a Scheduled Events document: {structure}") from structure
+        events: list[ScheduledEvent] = []
+        unreadable: list[UnreadableEvent] = []
+        # Equal records are one object: a document of a million broken items holds a few.
+        records: dict[UnreadableEvent, UnreadableEvent] = {}
+        for item in items:
+            if isinstance(item, dict | ScheduledEvent):
+                try:
+                    events.append(ScheduledEvent.model_validate(item))
+                    continue
+                except ValidationError as exc:
+                    record = UnreadableEvent.of(item, exc)
+            else:  # not worth pydantic's error, which costs more than the rest of the item
+                record = UnreadableEvent.not_an_object(item)
+            unreadable.append(records.setdefault(record, record))
+        try:
+            document = cls.model_validate({**data, "Events": events})
         except ValidationError as exc:
             raise SchemaError(f"not a Scheduled Events document: {exc}") from exc
+        document._unreadable = tuple(unreadable)
+        return document
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> ScheduledEventsDocument:
@@ -240,7 +339,31 @@ class ScheduledEventsDocument(BaseModel):
     def to_imds(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @property
+    def unreadable(self) -> tuple[UnreadableEvent, ...]:
+        """The items of Events that are not valid events, in document order."""
+        return self._unreadable
+
+    @property
+    def unreadable_ids(self) -> frozenset[str]:
+        """The EventIds of the unreadable items whose EventId can be read."""
+        return frozenset(u.event_id for u in self._unreadable if u.event_id is not None)
+
+    @property
+    def unidentified(self) -> bool:
+        """Whether an unreadable item has no readable EventId: it could be any event."""
+        return any(u.event_id is None for u in self._unreadable)
+
+    def with_events(self, extra: Iterable[ScheduledEvent]) -> ScheduledEventsDocument:
+        """This document's valid events followed by ``extra``, as a document that lists nothing
+        unreadable (see :func:`schemas.transitions.kept_after`)."""
+        copy = self.model_copy(update={"events": (*self.events, *extra)})
+        copy._unreadable = ()
+        return copy
+
     def event(self, event_id: str) -> ScheduledEvent | None:
+        """The valid event ``event_id``; None when there is none (an unreadable one included:
+        see :attr:`unreadable_ids`)."""
         for event in self.events:
             if event.event_id == event_id:
                 return event

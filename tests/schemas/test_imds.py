@@ -104,12 +104,13 @@ def test_unknown_future_values_and_fields_are_kept() -> None:
     [
         {},
         {"DocumentIncarnation": "many", "Events": []},
-        {"DocumentIncarnation": 1, "Events": [{"EventStatus": "Scheduled"}]},
+        {"DocumentIncarnation": 1, "Events": {"EventStatus": "Scheduled"}},
         [],
     ],
-    ids=["empty", "bad-incarnation", "no-event-id", "not-an-object"],
+    ids=["empty", "bad-incarnation", "events-not-a-list", "not-an-object"],
 )
 def test_what_is_not_a_document_is_a_schema_error(raw: object) -> None:
+    """(An invalid event in a valid document costs that event only: test_imds_unreadable.py.)"""
     with pytest.raises(SchemaError):
         ScheduledEventsDocument.from_imds(raw)
 
