@@ -322,7 +322,14 @@ class ApprovalHandler:
         ):
             await self._post_again(intent, approval, document)
             return
-        status = "gone" if event is None else event.event_status
+        if event is not None:
+            status = event.event_status
+        elif document is not None and any(
+            u.event_id == intent.event_id for u in document.unreadable
+        ):
+            status = "listed by IMDS but unreadable"  # IMDS cannot say: no POST, as without it
+        else:
+            status = "gone"
         log.info(
             "approval %s: POSTed before the agent stopped; reported as applied (the event is "
             "%s now)",

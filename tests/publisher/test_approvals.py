@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import uuid
 from collections.abc import AsyncIterator
@@ -520,6 +521,7 @@ async def test_an_approval_decided_after_the_last_poll_is_checked_against_a_new_
         ("now --dry-run", "dry run"),
         ("key removed", RejectReason.OBSERVE_ONLY.value),
         ("event changed", "not posted"),
+        ("event unreadable", "unreadable"),
     ],
 )
 async def test_an_intent_whose_post_may_not_have_gone_out_is_posted_at_start_only_if_still_valid(
@@ -557,6 +559,20 @@ async def test_an_intent_whose_post_may_not_have_gone_out_is_posted_at_start_onl
             settings = replace(settings, trust_keys=())
         if case == "event changed":
             sim.update_event(event.event_id, duration_in_seconds=600)
+        if case == "event unreadable":
+            # IMDS lists it with a duration that is no number: the agent cannot say where it
+            # is, so no POST, and the report says why (not "the event is gone").
+            (served,) = sim.scheduled_events_document("web-7")["Events"]
+            body = {
+                "DocumentIncarnation": sim.incarnation("web-7") + 1,
+                "Events": [dict(served, DurationInSeconds="soon")],
+            }
+            sim.add_fault(
+                FaultSpec(
+                    vm="web-7", endpoint="scheduledevents", method="GET", times=100_000,
+                    body=json.dumps(body),
+                )
+            )  # fmt: skip
         async with running(settings):
             outcome = await _outcome(rec, approval.approval_id)
     posts = _posts_to(sim, "web-7")
@@ -567,6 +583,9 @@ async def test_an_intent_whose_post_may_not_have_gone_out_is_posted_at_start_onl
     assert posts == [], f"{case}: POSTed at start"
     assert sim.get_event(event.event_id).state is EventState.SCHEDULED
     if expected == "not posted":
+        return
+    if expected == "unreadable":
+        assert "listed by IMDS but unreadable" in outcome.data.detail
         return
     if expected == "dry run":
         assert outcome.data.dry_run
