@@ -959,7 +959,7 @@ def _document(db: sqlite3.Connection, path: Path | None) -> ScheduledEventsDocum
     if raw is None:
         return None
     try:
-        return ScheduledEventsDocument.from_imds(json.loads(raw))
+        document = ScheduledEventsDocument.from_imds(json.loads(raw))
     except (ValueError, RecursionError) as exc:  # SchemaError is a ValueError
         log.warning(
             "state %s: the last IMDS document stored cannot be read (%s): dropped. The next "
@@ -969,6 +969,17 @@ def _document(db: sqlite3.Connection, path: Path | None) -> ScheduledEventsDocum
             "text that is not UTF-8" if raw == _NOT_UTF8 else _why(exc),
         )
         return None
+    if document.unreadable:
+        # The agent stores only events it could read: these were damaged on disk since.
+        log.warning(
+            "state %s: %d event(s) of the last IMDS document stored cannot be read (%s): left "
+            "out. If IMDS still lists one, it is announced again under a new revision; one that "
+            "ended since the last run is not reported ended",
+            _where(path),
+            len(document.unreadable),
+            document.unreadable[0].reason,
+        )
+    return document
 
 
 def _epoch(db: sqlite3.Connection, path: Path | None) -> str:

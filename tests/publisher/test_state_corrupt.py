@@ -120,6 +120,9 @@ async def test_the_remedy_for_a_sequence_names_a_number_above_every_row_kept(
         "[1, 2]",
         '{"DocumentIncarnation": "many", "Events": 7}',
         "[" * 100_000,
+        # A document whose one event was damaged on disk (the agent stores only events it could
+        # read): that event is left out, and the operator told so, as for a whole document.
+        '{"DocumentIncarnation": 1, "Events": [{"EventId": "B7E1", "EventStatus": "Scheduled"}]}',
     ],
 )
 async def test_an_unreadable_document_is_dropped_and_the_next_poll_replaces_it(
