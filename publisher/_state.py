@@ -495,7 +495,8 @@ class StateStore:
 
     async def applied_among(self, event_ids: Sequence[str]) -> set[str]:
         """Those of ``event_ids`` this store applied an approval for: its POST succeeded, or
-        went out unanswered (IMDS may have taken it)."""
+        went out unanswered, or may be out and not answered yet (its intent is stored): IMDS
+        may have taken it."""
         found: set[str] = await self._run(_applied_among, list(event_ids))
         return found
 
@@ -1271,7 +1272,19 @@ def _intents(db: sqlite3.Connection) -> list[Intent]:
 
 
 def _applied_among(db: sqlite3.Connection, event_ids: list[str]) -> set[str]:
-    return {event_id for event_id in event_ids if _applied_by(db, event_id) is not None}
+    # An intent is written before the POST and replaced by the outcome once its answer is read:
+    # while it is there, the POST may have gone out and started the event. A starved agent read
+    # a later poll's answer (the event gone) before its POST's, and reported canceled an event
+    # its own POST had started.
+    return {
+        event_id
+        for event_id in event_ids
+        if _applied_by(db, event_id) is not None
+        or db.execute(
+            "SELECT 1 FROM approval_intents WHERE event_id = ? LIMIT 1", (event_id,)
+        ).fetchone()
+        is not None
+    }
 
 
 def _applied_by(db: sqlite3.Connection, event_id: str) -> str | None:

@@ -363,9 +363,10 @@ class Watcher:
 
     async def _ran_between_polls(self, transitions: list[Transition]) -> list[Transition]:
         """An event gone while still Scheduled is reported ``canceled``, unless this agent
-        started it (its StartRequests POST succeeded, or went out and was never answered: IMDS
-        may have taken it): then it ran, start to end, between two polls (a Freeze of seconds, a
-        slow poll interval), and is reported ``completed``."""
+        started it (its StartRequests POST succeeded, or went out and was never answered, or
+        may be out and not answered yet: IMDS may have taken it): then it ran, start to end,
+        between two polls (a Freeze of seconds, a slow poll interval), and is reported
+        ``completed``."""
         gone = [t.event.event_id for t in transitions if t.kind is TransitionKind.CANCELED]
         if not gone:
             return transitions
