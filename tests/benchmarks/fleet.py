@@ -102,6 +102,8 @@ class Plan:
     servicebus: bool = False
     #: Niceness of the agent processes (the stand-ins for the fleet's VMs); 0: none.
     agents_nice: int = 0
+    #: Niceness of the approver and the audit (negative: before everything else; needs root).
+    central_nice: int = 0
 
     @property
     def shards(self) -> int:
@@ -398,12 +400,13 @@ async def _run(
     procs += central.values()
     await central["approver"].start(
         {"broker": plan.broker, "channels": spec_channels, "signing_key": str(key),
-         "policy": plan.policy,
+         "policy": plan.policy, "nice": plan.central_nice,
          "db": f"sqlite:///{scratch}/approver.db" if plan.approver_db == "sqlite" else None}
     )  # fmt: skip
     await central["audit"].start(
-        {"broker": plan.broker, "channels": spec_channels, "db": f"sqlite:///{scratch}/audit.db"}
-    )
+        {"broker": plan.broker, "channels": spec_channels, "nice": plan.central_nice,
+         "db": f"sqlite:///{scratch}/audit.db"}
+    )  # fmt: skip
     for proc in central.values():
         await proc.recv(120)
 
@@ -626,7 +629,9 @@ def table(result: Result) -> str:
         f"{plan.vms} VMs ({plan.workers} agent process(es), {plan.shards} simulator shard(s), "
         f"placement groups of {plan.placement_group_size}), poll every {plan.poll_interval:g} s"
         f"{'' if plan.fast_poll_seconds else ' (fast polling off)'}"
-        f"{f', agents at nice {plan.agents_nice}' if plan.agents_nice else ''}, approver state "
+        f"{f', agents at nice {plan.agents_nice}' if plan.agents_nice else ''}"
+        f"{f', approver and audit at nice {plan.central_nice}' if plan.central_nice else ''}"
+        ", approver state "
         f"{plan.approver_db}, "
         + ("the Service Bus double" if plan.servicebus else f"broker {plan.broker.split('@')[-1]}"),
         f"{result.events} events ({result.approvable} approvable), {result.completed} completed"
@@ -735,11 +740,21 @@ def main(argv: list[str] | None = None) -> int:
         "on Azure) get the CPU they need before them, as on a real fleet, where each agent has "
         "its VM's CPU to itself (default 0: every process shares the machine's cores alike)",
     )
+    parser.add_argument(
+        "--central-nice",
+        type=int,
+        default=defaults.central_nice,
+        help="run the approver and the audit at this niceness; a negative one (root only) gives "
+        "them a CPU before the stand-ins for the fleet, the simulator and the broker, as where "
+        "the central services run on machines of their own (default 0)",
+    )
     parser.add_argument("--png", help="draw the latency distributions to this PNG")
     parser.add_argument(
         "--servicebus", action="store_true", help="over the Service Bus double, not RabbitMQ"
     )
     args = parser.parse_args(args_list)
+    if min(args.agents_nice, args.central_nice) < 0 and os.geteuid() != 0:
+        parser.error("a negative niceness needs root (or CAP_SYS_NICE)")
     plan = Plan(
         vms=args.vms,
         broker=args.broker,
@@ -758,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         servicebus=args.servicebus,
         agents_nice=args.agents_nice,
+        central_nice=args.central_nice,
     )
     began = time.monotonic()
     result = asyncio.run(measure(plan))
