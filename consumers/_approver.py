@@ -437,15 +437,20 @@ class ApproverService:
     async def evaluate(self, state: EventState) -> None:
         """Decide about one event now (outside the message flow: tests, the console)."""
         async with self._lock:
-            plan = _Plan()
             self.fleet.take_changes()
-            try:
-                await self._evaluate(state, plan)
-                await self._reevaluate(plan, skip=state)
-            except BaseException:
-                self._owe(plan, state)
-                raise
-            await self._settle(plan, commit=True)
+            await self._decide(state)
+
+    async def _decide(self, state: EventState) -> None:
+        """Decide about ``state`` and what that decision changes for the others, as one plan
+        (committed), owed when it fails part way."""
+        plan = _Plan()
+        try:
+            await self._evaluate(state, plan)
+            await self._reevaluate(plan, skip=state)
+        except BaseException:
+            self._owe(plan, state)
+            raise
+        await self._settle(plan, commit=True)
 
     async def _decide_owed(self, *, commit: bool) -> None:
         """Decide what handling that failed part way left undecided (see :meth:`_owe`), before
@@ -878,15 +883,8 @@ class ApproverService:
         if sent is not None and sent.approval_id == approval.approval_id:
             key = (state.event_id, sent.event_version)
             self._tried.setdefault(key, set()).add(approval.vm.casefold())
-        plan = _Plan()
         self.fleet.refresh(state)
-        try:
-            await self._evaluate(state, plan)
-            await self._reevaluate(plan, skip=state)
-        except BaseException:
-            self._owe(plan, state)
-            raise
-        await self._settle(plan, commit=True)
+        await self._decide(state)
 
     async def _send_unsent(self) -> None:
         unsent, self._unsent = self._unsent, []
