@@ -157,6 +157,9 @@ class Database(AsyncResource):
 
 #: The oldest SQLite the statements run on (``RETURNING`` came in 3.35).
 MIN_SQLITE = (3, 35, 0)
+#: How long a statement waits for another process's lock on a SQLite file.
+BUSY_SECONDS = 10.0
+_BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 #: How often a SQLite database's background connection moves the write-ahead log into the
 #: database file (see :class:`SqliteDatabase`).
 CHECKPOINT_SECONDS = 1.0
@@ -282,11 +285,14 @@ class SqliteDatabase(Database):
         *,
         create: bool = True,
         checkpoint_every: float | None = CHECKPOINT_SECONDS,
+        busy_seconds: float = BUSY_SECONDS,
     ) -> None:
         self.path = path
         self.display = str(path)
         self._create = create
         self.checkpoint_every = checkpoint_every
+        #: How long a statement waits for another process's lock on the file before it fails.
+        self.busy_seconds = busy_seconds
         self._thread: ThreadPoolExecutor | None = None
         self._conn: sqlite3.Connection | None = None
         self._lock = asyncio.Lock()
@@ -326,19 +332,28 @@ class SqliteDatabase(Database):
     def _open(self) -> sqlite3.Connection:
         """On the database's thread, which the connection then never leaves."""
         try:
-            conn = sqlite3.connect(self.path, isolation_level=None)
+            # The wait for another process's lock holds from the first statement: switching to
+            # WAL takes the file's lock too.
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_seconds)
         except (sqlite3.Error, OSError) as exc:
             raise ConfigError(f"cannot open the database {self.path}: {exc}") from exc
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=10000")
             if self.checkpoint_every is not None:  # the background connection does it
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             # A file that is not SQLite fails here, at the first read of the schema.
             conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
         except sqlite3.Error as exc:
             conn.close()
+            if getattr(exc, "sqlite_errorcode", None) in _BUSY:
+                # Another process holds the file (a service sharing it, upgrading its tables):
+                # that passes, and a restart tries again. As a settings error (exit 2) it was
+                # "not a usable SQLite database", and systemd left the service stopped.
+                raise DatabaseError(
+                    f"{self.path} stayed locked by another process for {self.busy_seconds:g} s "
+                    f"({exc}): not opened; a later start tries again"
+                ) from exc
             raise ConfigError(f"{self.path} is not a usable SQLite database: {exc}") from exc
         return conn
 

@@ -209,3 +209,47 @@ async def test_a_time_written_unpadded_by_an_earlier_version_still_reads(stored,
     """Rows an earlier version wrote with an unpadded year stay in the (append-only) ledger:
     they read back as the time they are, not as an error."""
     assert as_time(stored) == moment
+
+
+async def test_a_sqlite_file_another_process_keeps_locked_is_a_passing_failure_not_a_setting(
+    tmp_path,
+):
+    """The approver and the audit may share one SQLite file; one of them upgrading its tables
+    holds it while the other starts. That other waited 5 s, then called the file "not a usable
+    SQLite database" (a settings error: exit 2, and systemd left the service stopped). Now it
+    waits its ``busy_seconds`` (10 by default) and then fails as a database error (exit 1: a
+    restart tries again); a lock released in time costs only the wait."""
+    import sqlite3
+    import sys
+    import time
+
+    from schemas import ConfigError
+
+    path = tmp_path / "shared.db"
+    sqlite3.connect(path).close()
+    hold = (
+        "import sqlite3, sys, time\n"
+        "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "c.execute('BEGIN EXCLUSIVE')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(float(sys.argv[2]))\n"
+        "c.execute('COMMIT')\n"
+    )
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", hold, str(path), "3", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None
+        assert (await holder.stdout.readline()).strip() == b"held"
+        refused = SqliteDatabase(path, busy_seconds=0.5)
+        with pytest.raises(DatabaseError, match="stayed locked by another process") as caught:
+            await refused.connect()
+        assert not isinstance(caught.value, ConfigError)
+        began = time.monotonic()
+        async with SqliteDatabase(path) as waited:  # the default: waits for the holder
+            await waited.execute("CREATE TABLE t (x)")
+        assert time.monotonic() - began < 10
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+        await holder.wait()
