@@ -607,7 +607,12 @@ class FleetView:
     def _join(self, vm: str, identity: VmIdentity) -> None:
         down = vm in self._down
         for group in self._groups_of(identity):
-            self._members.setdefault(group, set()).add(vm)
+            members = self._members.setdefault(group, set())
+            if vm not in members and not down:
+                # One more VM available in the group: a cap in percent of its VMs may have
+                # room now for an event it holds.
+                self._freed.add(group)
+            members.add(vm)
             if down:
                 self._down_members.setdefault(group, set()).add(vm)
 

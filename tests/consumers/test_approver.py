@@ -745,6 +745,37 @@ async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_s
     assert [d.action for d in decided] == [Action.WAIT, Action.APPROVE]
 
 
+async def test_an_event_held_by_a_percent_cap_is_approved_once_more_vms_join_its_group(
+    transport,
+):
+    """Half of a scale set may be down: of a and c, a is in maintenance, so c's event waits.
+    Then b and d come online in the same scale set: half of four is two, and c's event is
+    decided again and approved. Before, a VM joining a group was not a change that could free
+    room, and the event waited for the next change in its group (or its NotBefore)."""
+    from consumers import ApproveUserInitiated, MaxUnavailable
+
+    now = datetime.now(UTC)
+    service = ApproverService(
+        transport,
+        generate_signing_key(),
+        policies=PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", percent=50))),
+        clock=lambda: now,
+    )
+    ids = {name: vm(name, scale_set="ss") for name in ("a", "b", "c", "d")}
+    busy = event("BUSY", source="User", resources=("a",), status="Started")
+    next_one = event("NEXT", source="User", resources=("c",))
+    for name in ("a", "c"):
+        await service.handle(heartbeat(ids[name], at=now))
+    await service.handle(transition("started", busy, ids["a"], at=now))
+    await service.handle(transition("scheduled", next_one, ids["c"], at=now))
+    held = [d for d in service.decisions if d.event_id == "NEXT"]
+    assert [d.action for d in held] == [Action.WAIT]
+    for name in ("b", "d"):
+        await service.handle(heartbeat(ids[name], at=now))
+    decided = [d for d in service.decisions if d.event_id == "NEXT"]
+    assert [d.action for d in decided] == [Action.WAIT, Action.APPROVE]
+
+
 async def test_a_not_before_with_no_utc_equivalent_never_gets_the_real_version_approved():
     """A neighbour reports web-1's Platform reboot as user-initiated, with a NotBefore that
     parses but has no UTC equivalent. Computing its version raised OverflowError after the view
