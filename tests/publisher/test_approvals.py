@@ -640,6 +640,23 @@ async def test_a_post_is_retried_only_on_a_new_look_at_the_event(
         assert "GET" in after_failure[: after_failure.index("POST")]
 
 
+async def _intent_left_by_a_stop(
+    sim: Simulator, event: EventInfo, key: Any, settings: AgentSettings
+) -> Approval:
+    """An approval of ``event`` for web-7 (signed with ``key``, at the version the simulator
+    shows), whose intent web-7's store holds as the agent left it when it stopped before its
+    POST."""
+    version = version_of(sim, event.event_id)
+    approval = sign(
+        new_approval(event.event_id, "web-7", decided_by="policy", event_version=version), key
+    )
+    assert settings.state_dir is not None
+    store = await StateStore.open(settings.state_dir)
+    await store.record_intent(approval.approval_id, event.event_id, version, approval.to_bytes())
+    await store.close()
+    return approval
+
+
 async def test_an_unreadable_stored_intent_does_not_stop_the_agent_at_each_start(
     tmp_path: Path,
 ) -> None:
@@ -652,16 +669,7 @@ async def test_an_unreadable_stored_intent_does_not_stop_the_agent_at_each_start
         event_type=EventType.REDEPLOY, resources=["web-7"], not_before_seconds=3 * 86400
     )
     async with _web7(broker, tmp_path, spec) as (sim, rec, event, key, settings):
-        version = version_of(sim, event.event_id)
-        approval = sign(
-            new_approval(event.event_id, "web-7", decided_by="policy", event_version=version),
-            key,
-        )
-        store = await StateStore.open(settings.state_dir)
-        await store.record_intent(
-            approval.approval_id, event.event_id, version, approval.to_bytes()
-        )
-        await store.close()
+        approval = await _intent_left_by_a_stop(sim, event, key, settings)
         assert settings.state_dir is not None
         with sqlite3.connect(settings.state_dir / STATE_FILE) as db:
             db.execute(

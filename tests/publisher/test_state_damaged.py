@@ -30,8 +30,6 @@ from schemas import (
     TransitionMessage,
     VmIdentity,
     diff,
-    new_approval,
-    sign,
 )
 from schemas.channels import ChannelNames
 
@@ -43,9 +41,8 @@ from .harness import (
     running,
     settings_for,
     simulator_server,
-    version_of,
 )
-from .test_approvals import _channels, _outcome, _web7
+from .test_approvals import _channels, _intent_left_by_a_stop, _outcome, _web7
 
 
 def _memory(name: str) -> Broker:
@@ -372,17 +369,8 @@ async def test_a_stored_intent_that_is_not_utf8_does_not_stop_the_agent(tmp_path
         event_type=EventType.REDEPLOY, resources=["web-7"], not_before_seconds=3 * 86400
     )
     async with _web7(broker, tmp_path, spec) as (sim, rec, event, key, settings):
-        version = version_of(sim, event.event_id)
-        approval = sign(
-            new_approval(event.event_id, "web-7", decided_by="policy", event_version=version),
-            key,
-        )
+        approval = await _intent_left_by_a_stop(sim, event, key, settings)
         assert settings.state_dir is not None
-        store = await StateStore.open(settings.state_dir)
-        await store.record_intent(
-            approval.approval_id, event.event_id, version, approval.to_bytes()
-        )
-        await store.close()
         _sql(
             settings.state_dir,
             "INSERT INTO approval_intents (approval_id, event_id, event_version, body, at) "
@@ -437,17 +425,8 @@ async def test_an_approval_outcome_of_the_wrong_type_does_not_stop_the_agent(
         event_type=EventType.REDEPLOY, resources=["web-7"], not_before_seconds=3 * 86400
     )
     async with _web7(broker, tmp_path, spec) as (sim, rec, event, key, settings):
-        version = version_of(sim, event.event_id)
-        approval = sign(
-            new_approval(event.event_id, "web-7", decided_by="policy", event_version=version),
-            key,
-        )
+        approval = await _intent_left_by_a_stop(sim, event, key, settings)
         assert settings.state_dir is not None
-        store = await StateStore.open(settings.state_dir)
-        await store.record_intent(
-            approval.approval_id, event.event_id, version, approval.to_bytes()
-        )
-        await store.close()
         _sql(
             settings.state_dir,
             "INSERT INTO approvals (approval_id, message, decided) "
