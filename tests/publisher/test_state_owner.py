@@ -35,6 +35,8 @@ from schemas.channels import ChannelNames
 
 from .conftest import Broker
 from .harness import recorder, running, settings_for, simulator_server
+from .test_state_corrupt import _meta
+from .test_state_damaged import _sql
 
 
 def _memory(name: str) -> Broker:
@@ -79,15 +81,6 @@ async def _leave_unsent(state: Path, vm: str) -> TransitionMessage:
     finally:
         await store.close()
     return message
-
-
-def _meta(db_file: Path, key: str) -> str | None:
-    db = sqlite3.connect(db_file)
-    try:
-        row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else str(row[0])
-    finally:
-        db.close()
 
 
 def _outbox_ids(db_file: Path) -> set[str]:
@@ -260,13 +253,11 @@ async def test_an_owner_row_that_cannot_be_read_is_no_reason_to_move_the_store(
         settings = settings_for(server, "web-7", broker.url, broker.channels, state)
         async with running(settings):
             await rec.wait_kind(MessageType.AGENT_ONLINE)
-        db = sqlite3.connect(state / STATE_FILE)
-        try:
-            db.execute("UPDATE meta SET value = CAST(x'ff' AS TEXT) WHERE key = 'owner_name'")
-            db.execute("UPDATE meta SET value = x'00' WHERE key = 'owner_vm_id'")
-            db.commit()
-        finally:
-            db.close()
+        _sql(
+            state,
+            "UPDATE meta SET value = CAST(x'ff' AS TEXT) WHERE key = 'owner_name'",
+            "UPDATE meta SET value = x'00' WHERE key = 'owner_vm_id'",
+        )
         left = await _leave_unsent(state, "web-7")
         with caplog.at_level(logging.WARNING, logger="publisher"):
             async with running(settings):
@@ -291,15 +282,11 @@ async def test_a_stored_vm_name_cannot_move_the_store_out_of_its_directory(
         settings = settings_for(server, "web-7", broker.url, broker.channels, state)
         async with running(settings):
             await rec.wait_kind(MessageType.AGENT_ONLINE)
-        db = sqlite3.connect(state / STATE_FILE)
-        try:
-            db.execute(
-                "UPDATE meta SET value = '../../evil' || char(10) || 'x' WHERE key = 'owner_name'"
-            )
-            db.execute("UPDATE meta SET value = 'another-vm-id' WHERE key = 'owner_vm_id'")
-            db.commit()
-        finally:
-            db.close()
+        _sql(
+            state,
+            "UPDATE meta SET value = '../../evil' || char(10) || 'x' WHERE key = 'owner_name'",
+            "UPDATE meta SET value = 'another-vm-id' WHERE key = 'owner_vm_id'",
+        )
         with caplog.at_level(logging.WARNING, logger="publisher"):
             async with running(settings):
                 pass
