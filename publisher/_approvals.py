@@ -324,9 +324,7 @@ class ApprovalHandler:
             return
         if event is not None:
             status = event.event_status
-        elif document is not None and any(
-            u.event_id == intent.event_id for u in document.unreadable
-        ):
+        elif document is not None and intent.event_id in document.unreadable_ids:
             status = "listed by IMDS but unreadable"  # IMDS cannot say: no POST, as without it
         else:
             status = "gone"
