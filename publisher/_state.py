@@ -395,9 +395,9 @@ class StateStore:
             self._executor.shutdown(wait=True)
 
     async def load(self) -> StoredState:
-        """What the last run left. A row that cannot be read and can be done without is
-        dropped with a warning (see :func:`_load`); one that cannot was refused by
-        :meth:`open` already."""
+        """What the last run left. A row that cannot be read costs that row, with a warning
+        (see :func:`_load`). Called after :meth:`claim`: another VM's store is moved aside
+        unread, whatever its rows hold."""
         result: StoredState = await self._run(_load, self.path)
         return result
 
@@ -544,9 +544,9 @@ def _connect(directory: Path | None, path: Path | None) -> sqlite3.Connection:
         if _meta(db, "epoch") is None:
             _set_meta(db, "epoch", uuid.uuid4().hex)
             _set_meta(db, "created", repr(time.time()))
-        # What the agent cannot do without is refused now, before IMDS or the broker is asked.
-        _check_sequence(db, path)
-        _revisions(db, path)
+        # Nothing else of the store is read yet: until the agent knows its VM, the store may be
+        # another VM's, moved aside whole by claim() (a row of it that could not be read
+        # stopped the agent here, on every VM made from an image of that VM).
     except BaseException:
         db.close()
         raise
@@ -680,10 +680,12 @@ def _name(kind: str, value: Any, column: str) -> str:
 
 # ------------------------------------------------------------------- the rows of ``meta``
 #
-# A row may be torn or hand-edited, or written by another version. Each is read here, and what
-# cannot be read is decided row by row: dropped with a warning when the agent can do without it
-# (the document, the epoch, the creation time), a ConfigError naming the file and the repair
-# when it cannot (the sequence, the revisions).
+# A row may be torn or hand-edited, or written by another version. Each is read here, once the
+# store is known to be this VM's (:func:`_load`, after the claim), and what cannot be read costs
+# that row, with a warning saying what was done: dropped when the agent can do without it (the
+# document), replaced when it cannot (the epoch and the creation time by new ones; the sequence
+# and the revisions by numbers above any this store can have given, so that no message takes
+# the sequence, nor the id, of one given before).
 
 #: An epoch as :func:`_connect` makes it (uuid4 hex), with room for another version's form.
 _EPOCH = re.compile(r"[0-9A-Za-z-]{1,64}")
@@ -706,21 +708,48 @@ def _where(path: Path | None) -> str:
 
 
 def _next_sequence(db: sqlite3.Connection, path: Path | None) -> int:
-    """The next message's sequence. It never goes back (consumers may count on it, and the
-    outbox keeps rows under it): one that cannot be read stops the start."""
+    """The next message's sequence. It never goes back nor repeats (the contract's counter
+    "that never goes backwards"; the outbox keeps rows under it): one that cannot be read is
+    replaced, see :func:`_recovered_sequence`."""
     raw = _meta(db, "next_sequence")
     if raw is None:
         return 1
     if re.fullmatch(r"[0-9]{1,19}", raw) and int(raw) <= MAX_SEQUENCE:
         return int(raw)
+    return _recovered_sequence(db, path, raw)
+
+
+def _unreached() -> int:
+    """A count no sequence of a store can have reached, nor any revision (which counts an
+    event's transitions, each of which took a sequence): the clock's microseconds since 1970.
+    Sequences count messages one at a time from 1, and an agent gives far fewer than one a
+    microsecond (each commit waits for the disk); one taken from the clock before (an earlier
+    repair) has grown since by the messages given after it, fewer than the microseconds gone
+    by. (A clock set back, or a sequence set by hand above the clock, defeats it.)"""
+    return min(time.time_ns() // 1000, MAX_SEQUENCE)
+
+
+def _recovered_sequence(db: sqlite3.Connection, path: Path | None, raw: str) -> int:
+    """The next sequence when the stored one cannot be read: above the rows the store still
+    holds, and :func:`_unreached`. The rows held alone are not enough: a message the broker
+    confirmed has left the outbox, so after a clean stop (the outbox drained) no row records
+    the sequences published; counting from the rows held would give a sequence again. It is
+    stored, so the warning is said once."""
     floor = _floor(db)
-    raise ConfigError(
-        f"state_dir: {_where(path)}: the row next_sequence ({_shown(raw)}) is not a sequence "
-        "number: the agent cannot number its messages so that their sequence never goes back. "
-        "Restore the file from a backup, or set it above the last sequence consumers saw (at "
-        f"least {floor}): sqlite3 {_where(path)} \"UPDATE meta SET value = 'N' WHERE key = "
-        "'next_sequence'\""
+    sequence = max(floor, _unreached())
+    _set_meta(db, "next_sequence", str(sequence))
+    log.warning(
+        "state %s: the row next_sequence (%s) is not a sequence number: replaced by %d, above "
+        "every sequence this store can have given (the messages it still holds: %s; the ones "
+        "published before were counted one at a time from 1, and cannot have reached the "
+        "clock's microseconds since 1970). New messages never take a sequence given before; "
+        "consumers see a gap",
+        _where(path),
+        _shown(raw),
+        sequence,
+        "none" if floor == 1 else f"up to {floor - 1}",
     )
+    return sequence
 
 
 def _floor(db: sqlite3.Connection) -> int:
@@ -732,17 +761,17 @@ def _floor(db: sqlite3.Connection) -> int:
     return 1 if kept is None else int(kept) + 1
 
 
-def _check_sequence(db: sqlite3.Connection, path: Path | None) -> None:
-    """At open: the next sequence can be read (or the start stops, see :func:`_next_sequence`),
-    and is above every row the store holds. One set (or deleted) by hand below them gave the
-    first new message the sequence of a message still in the outbox, which SQLite refused (a
-    traceback at every start), or of one set aside, which the next row set aside under it
-    would have replaced. It is raised above them: a gap consumers see, never a step back from
-    a message kept."""
+def _settled_sequence(db: sqlite3.Connection, path: Path | None) -> int:
+    """At load: the next sequence (replaced when it cannot be read, see
+    :func:`_next_sequence`), above every row the store holds. One set (or deleted) by hand
+    below them gave the first new message the sequence of a message still in the outbox,
+    which SQLite refused (a traceback at every start), or of one set aside, which the next row
+    set aside under it would have replaced. It is raised above them: a gap consumers see,
+    never a step back from a message kept."""
     sequence = _next_sequence(db, path)
     floor = _floor(db)
     if sequence >= floor:
-        return
+        return sequence
     raw = _meta(db, "next_sequence")
     _set_meta(db, "next_sequence", str(floor))
     log.warning(
@@ -753,6 +782,7 @@ def _check_sequence(db: sqlite3.Connection, path: Path | None) -> None:
         floor - 1,
         floor,
     )
+    return floor
 
 
 # --------------------------------------------------------------------- whose store it is
@@ -925,10 +955,19 @@ def _sync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def _revisions(db: sqlite3.Connection, path: Path | None) -> dict[str, int]:
+def _revisions(
+    db: sqlite3.Connection,
+    path: Path | None,
+    document: ScheduledEventsDocument | None,
+    next_sequence: int,
+) -> dict[str, int]:
     """Each event's last revision. A transition's message id is made of its event's revision:
-    without them the agent would give a new message the id of one already published, which
-    consumers drop as an id conflict. So one that cannot be read stops the start."""
+    counting an event from 0 again gives a new message the id of one already published, with
+    other content, which consumers drop as an id conflict. So when they cannot be read, each
+    event of the stored ``document`` (the ones the next poll is compared with) goes on above
+    every revision this store can have given: a revision counts an event's transitions, each
+    of which took a sequence, so it is below ``next_sequence`` and :func:`_unreached`. They are
+    stored, so the warning is said once."""
     raw = _meta(db, "revisions")
     if raw is None:
         return {}
@@ -944,13 +983,23 @@ def _revisions(db: sqlite3.Connection, path: Path | None) -> dict[str, int]:
             why = "a revision is not a whole number from 0"
     if why is None:
         return {str(k): int(v) for k, v in parsed.items()}
-    raise ConfigError(
-        f"state_dir: {_where(path)}: the row revisions cannot be read ({why}): the agent would "
-        "give new messages the ids of messages already published, which consumers drop as id "
-        "conflicts. Restore the file from a backup, or take that risk and start the events' "
-        f"history afresh (every event in IMDS is then announced again): sqlite3 {_where(path)} "
-        "\"DELETE FROM meta WHERE key IN ('revisions', 'document')\""
+    above = max(next_sequence, _unreached())
+    events = [] if document is None else [e.event_id for e in document.events]
+    events += sorted(set() if document is None else document.unreadable_ids)
+    revisions = dict.fromkeys(events, above - 1)
+    _set_meta(db, "revisions", json.dumps(revisions, separators=(",", ":")))
+    log.warning(
+        "state %s: the row revisions cannot be read (%s): replaced. The %d event(s) of the last "
+        "IMDS document stored go on from revision %d, above every revision this store can have "
+        "given, so none of their messages takes the id of one published before; an event it "
+        "does not hold is counted from 0 (a new one; one that ended and is listed again may "
+        "then repeat the id of its first report, which consumers drop as an id conflict)",
+        _where(path),
+        why,
+        len(revisions),
+        above,
     )
+    return revisions
 
 
 def _document(db: sqlite3.Connection, path: Path | None) -> ScheduledEventsDocument | None:
@@ -1025,12 +1074,14 @@ def _created(db: sqlite3.Connection, path: Path | None) -> float:
 
 
 def _load(db: sqlite3.Connection, path: Path | None) -> StoredState:
+    next_sequence = _settled_sequence(db, path)
+    document = _document(db, path)
     return StoredState(
-        document=_document(db, path),
+        document=document,
         scope=_meta(db, "scope"),
-        next_sequence=_next_sequence(db, path),
+        next_sequence=next_sequence,
         depth=_depth(db),
-        revisions=_revisions(db, path),
+        revisions=_revisions(db, path, document, next_sequence),
         epoch=_epoch(db, path),
         created=_created(db, path),
         set_aside=_count(db, "outbox_set_aside"),

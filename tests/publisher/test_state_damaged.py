@@ -1,8 +1,8 @@
 """A state file SQLite opens whose rows are of the wrong type or shape (a hand edit, a damaged
 disk, a table another version made): the outbox, the hook runs, the approval intents and
-outcomes, text that is not UTF-8. Each unreadable row costs that row (set aside, or left with an
-error naming it), never the agent: before, each of these ended it with a traceback, at every
-start, and nothing behind the row was published or run.
+outcomes, the sequence and the revisions, text that is not UTF-8. Each unreadable row costs that
+row (set aside, left with an error naming it, or replaced), never the agent: before, each of
+these ended it, at every start, and nothing behind the row was published or run.
 
 A real agent on a real state dir, the simulator over HTTP, the in-memory broker (and RabbitMQ
 for the outbox: the rows behind the bad one are on the broker)."""
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-import subprocess
 import sys
 import uuid
 from datetime import UTC, datetime
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from publisher._state import STATE_FILE, StateStore
+from publisher._state import STATE_FILE, OutboxRow, StateStore
 from publisher.simulator import EventSpec, EventType
 from schemas import (
     HookResultMessage,
@@ -32,6 +31,7 @@ from schemas import (
     diff,
 )
 from schemas.channels import ChannelNames
+from schemas.messages import expected_id
 
 from .conftest import Broker
 from .harness import (
@@ -88,6 +88,21 @@ def _sql(state: Path, *statements: str) -> None:
         db.commit()
     finally:
         db.close()
+
+
+#: Damage to a ``meta`` row the agent must read before it can number or name its messages (a
+#: hand edit, a damaged disk, another version's value): row, and the SQL value put in it.
+UNREADABLE_META = {
+    "sequence-garbage": ("next_sequence", "'x'"),
+    "sequence-negative": ("next_sequence", "'-1'"),
+    "sequence-too-large": ("next_sequence", f"'{2**63}'"),
+    "sequence-not-utf8": ("next_sequence", "CAST(x'31ff' AS TEXT)"),
+    "sequence-bytes": ("next_sequence", "x'01'"),
+    "revisions-not-json": ("revisions", "'{not json'"),
+    "revisions-not-utf8": ("revisions", "CAST(x'7bff' AS TEXT)"),
+    "revisions-negative": ("revisions", "'{\"A-1\": -1}'"),
+}
+UNREADABLE_SEQUENCE = {k: v for k, v in UNREADABLE_META.items() if v[0] == "next_sequence"}
 
 
 def _rows(state: Path, query: str) -> list[tuple[object, ...]]:
@@ -309,30 +324,6 @@ async def test_an_interrupted_run_whose_transition_cannot_be_read_is_dropped_onc
 # ------------------------------------------------------------ text that is not UTF-8, others
 
 
-def test_a_sequence_row_that_is_not_utf8_is_refused_in_one_line_and_exit_2(
-    tmp_path: Path,
-) -> None:
-    """Text that is not UTF-8 in a row of ``meta``: the sqlite3 cursor raised on it, a
-    traceback and exit 1 at every start, where any other unreadable sequence is one line
-    naming the file and the repair, and exit 2."""
-    state = tmp_path / "state"
-    asyncio.run(_queued_hooks(state, 0, "unused"))
-    _sql(state, "UPDATE meta SET value = CAST(x'31ff' AS TEXT) WHERE key = 'next_sequence'")
-    result = subprocess.run(
-        [sys.executable, "-m", "publisher", "--broker", "memory://t",
-         "--state-dir", str(state), "--imds-url", "http://127.0.0.1:9"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={"PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr[-500:]
-    assert "Traceback" not in result.stderr
-    assert result.stderr.strip().count("\n") == 0, result.stderr
-    assert f"state_dir: {state / STATE_FILE}" in result.stderr
-    assert "next_sequence" in result.stderr
-
-
 async def test_a_stored_document_that_is_not_utf8_is_dropped_and_the_agent_runs(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -470,3 +461,97 @@ async def test_a_sequence_below_the_rows_kept_is_raised_above_them(
     warned = [r.getMessage() for r in caplog.records if "next_sequence" in r.getMessage()]
     assert warned
     assert f"raised to {last + 1}" in warned[0]
+
+
+# --------------------------------------------- the sequence and the revisions of the VM's own
+
+
+@pytest.mark.parametrize("unsent", [True, False], ids=["unsent", "drained"])
+@pytest.mark.parametrize(
+    "value", [v for _, v in UNREADABLE_SEQUENCE.values()], ids=list(UNREADABLE_SEQUENCE)
+)
+async def test_an_unreadable_sequence_costs_that_row_and_no_sequence_is_given_twice(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, value: str, unsent: bool
+) -> None:
+    """This VM's own store, its next_sequence row damaged: the agent stopped at open (a
+    ConfigError, exit 2, at every start), and nothing it held was published. Now it starts,
+    publishes what its outbox held under the sequences they were stored with, and numbers its
+    new messages above every sequence it gave before: the ones still held, and the ones
+    published and gone from the outbox ("drained": all of them, as after a clean stop), which
+    no row of the store records any more."""
+    broker = _memory("sequence-unreadable")
+    state = tmp_path / "state"
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        settings = settings_for(server, "web-7", broker.url, broker.channels, state)
+        async with running(settings):
+            await rec.wait_kind(MessageType.AGENT_ONLINE)
+        await rec.wait_kind(MessageType.AGENT_OFFLINE)
+        held: list[OutboxRow] = []
+        if unsent:  # the agent stopped before the broker confirmed these
+            store = await StateStore.open(state)
+            try:
+                held = (await store.commit(_transitions(2))).rows
+            finally:
+                await store.close()
+        before = list(rec.messages)
+        _sql(state, f"UPDATE meta SET value = {value} WHERE key = 'next_sequence'")
+        with caplog.at_level(logging.WARNING, logger="publisher"):
+            async with running(settings):
+                await rec.wait_kind(MessageType.AGENT_ONLINE, count=2)
+                await rec.wait_for(lambda ms: {r.message_id for r in held} <= {m.id for m in ms})
+        await rec.wait_kind(MessageType.AGENT_OFFLINE, count=2)
+
+    after = rec.messages[len(before) :]
+    held_ids = {r.message_id for r in held}
+    assert {m.id: m.sequence for m in after if m.id in held_ids} == {
+        r.message_id: r.sequence for r in held
+    }
+    new = [m for m in after if m.id not in held_ids]
+    assert {m.kind for m in new} >= {MessageType.AGENT_ONLINE, MessageType.AGENT_OFFLINE}
+    given = [m.sequence for m in before] + [r.sequence for r in held]
+    assert min(m.sequence for m in new) > max(given)
+    assert len({m.sequence for m in rec.messages}) == len(rec.messages)
+    assert not {m.id for m in new} & {m.id for m in before}
+    (warned,) = [r.getMessage() for r in caplog.records if "next_sequence" in r.getMessage()]
+    assert str(state / STATE_FILE) in warned
+    assert f"replaced by {min(m.sequence for m in new)}" in warned
+
+
+async def test_unreadable_revisions_cost_that_row_and_no_message_id_is_given_twice(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """This VM's own store, its revisions row damaged: the agent stopped at open (a
+    ConfigError, exit 2, at every start). Now it starts, and the event it stored goes on
+    above every revision given before. A transition's id is made of its event's revision:
+    counting from 0 again would give the second update after the damage the id of the first
+    update before it, with other content, which consumers drop as an id conflict."""
+    broker = _memory("revisions-unreadable")
+    state = tmp_path / "state"
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        sim = server.simulator
+        event = sim.add_event(
+            EventSpec(event_type=EventType.FREEZE, resources=["web-7"], not_before_seconds=900)
+        )
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, state, poll_interval=0.2
+        )
+        async with running(settings):
+            await rec.wait_kind(MessageType.SCHEDULED)
+            for n in (1, 2):
+                sim.update_event(event.event_id, description=f"update {n}")
+                await rec.wait_kind(MessageType.UPDATED, count=n)
+        _sql(state, "UPDATE meta SET value = '{not json' WHERE key = 'revisions'")
+        with caplog.at_level(logging.WARNING, logger="publisher"):
+            async with running(settings):
+                for n in (3, 4):
+                    sim.update_event(event.event_id, description=f"update {n}")
+                    await rec.wait_kind(MessageType.UPDATED, count=n)
+
+    transitions = rec.transitions()
+    assert [m.kind for m in transitions] == [MessageType.SCHEDULED] + [MessageType.UPDATED] * 4
+    assert all(isinstance(m, TransitionMessage) and m.id == expected_id(m) for m in transitions)
+    ids = [m.id for m in transitions]
+    assert len(set(ids)) == len(ids)
+    (warned,) = [r.getMessage() for r in caplog.records if "revisions" in r.getMessage()]
+    assert str(state / STATE_FILE) in warned
+    assert "1 event" in warned

@@ -36,7 +36,7 @@ from schemas.channels import ChannelNames
 from .conftest import Broker
 from .harness import recorder, running, settings_for, simulator_server
 from .test_state_corrupt import _meta
-from .test_state_damaged import _sql
+from .test_state_damaged import UNREADABLE_META, _sql
 
 
 def _memory(name: str) -> Broker:
@@ -89,6 +89,18 @@ def _outbox_ids(db_file: Path) -> set[str]:
         return {str(row[0]) for row in db.execute("SELECT message_id FROM outbox")}
     finally:
         db.close()
+
+
+def _stored_cell(db_file: Path, key: str) -> tuple[str, bytes]:
+    """A ``meta`` row as stored: its type and its bytes (text that is not UTF-8 included)."""
+    db = sqlite3.connect(db_file)
+    try:
+        row = db.execute(
+            "SELECT typeof(value), CAST(value AS BLOB) FROM meta WHERE key = ?", (key,)
+        ).fetchone()
+    finally:
+        db.close()
+    return str(row[0]), bytes(row[1])
 
 
 def _moved(state: Path) -> list[Path]:
@@ -320,3 +332,46 @@ async def test_the_other_vms_origin_key_is_moved_aside_with_its_store(tmp_path: 
     suffix = moved.name.removeprefix(STATE_FILE)
     assert (state / f"{KEY_FILE}{suffix}").read_bytes() == key_of_web7
     assert (state / KEY_FILE).read_bytes() != key_of_web7
+
+
+@pytest.mark.parametrize("damage", list(UNREADABLE_META.values()), ids=list(UNREADABLE_META))
+async def test_a_state_dir_from_another_vm_is_moved_aside_whatever_its_sequence_or_revisions_hold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: tuple[str, str]
+) -> None:
+    """The golden image of a VM whose next_sequence or revisions row was damaged (a hand edit, a
+    damaged disk). Every VM made from it stopped at open, before it knew its identity, with a
+    ConfigError naming that row (exit 2, at every start): the store it would have moved aside
+    unused ended the agent. Now the store is moved aside as any other VM's is, whole (the
+    damaged row as it was, its unsent message kept), with the warning, and the agent starts
+    with a store of its own."""
+    key, value = damage
+    broker = _memory("owner-damaged")
+    state = tmp_path / "state"
+    async with (
+        simulator_server("web-7", "web-8") as server,
+        recorder(broker.url, broker.channels) as rec,
+    ):
+        web7 = settings_for(server, "web-7", broker.url, broker.channels, state)
+        async with running(web7):
+            await rec.wait_kind(MessageType.AGENT_ONLINE)
+        left = await _leave_unsent(state, "web-7")
+        _sql(state, f"UPDATE meta SET value = {value} WHERE key = '{key}'")
+        damaged = _stored_cell(state / STATE_FILE, key)
+        web8 = settings_for(server, "web-8", broker.url, broker.channels, state)
+        with caplog.at_level(logging.WARNING, logger="publisher"):
+            async with running(web8):
+                await rec.wait_for(lambda ms: any(m.vm.name == "web-8" for m in ms))
+        await rec.wait_kind(MessageType.AGENT_OFFLINE, count=2)
+
+    (moved,) = _moved(state)
+    assert moved.name.startswith(f"{STATE_FILE}.from-web-7-")
+    assert _stored_cell(moved, key) == damaged
+    assert left.id in _outbox_ids(moved)
+    assert left.id not in {m.id for m in rec.messages}
+    web8_sequences = [m.sequence for m in rec.messages if m.vm.name == "web-8"]
+    assert web8_sequences[0] == 1  # a store of its own, from its first sequence
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    (warning,) = [w for w in warned if moved.name in w]
+    assert "web-7" in warning
+    assert "web-8" in warning
+    assert not [w for w in warned if f"row {key}" in w]  # the other VM's rows are not read
