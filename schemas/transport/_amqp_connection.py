@@ -39,6 +39,10 @@ import aiormq
 import aiormq.exceptions
 
 from .._errors import TransportError
+
+# Imported for its effect: nothing is sent on a channel after its last frame, which made
+# RabbitMQ close the whole connection (see the module).
+from . import _amqp_channel_end  # noqa: F401
 from ._amqp_errors import reason
 
 __all__ = ["FRAME_BUFFER", "RelayConnection", "connect_error", "login"]

@@ -1,0 +1,155 @@
+"""An AMQP channel's last frame is its last: nothing of it reaches the socket after.
+
+RabbitMQ forgets a channel once its closing handshake is done: once it has the client's
+``Channel.CloseOk`` to its own ``Channel.Close`` (it closed the channel: a message it refused,
+a queue missing), or once it has answered the client's ``Channel.Close``. Any later frame with
+that channel's number but a new ``Channel.Open`` is a *connection* error, ``CHANNEL_ERROR -
+expected 'channel.open'``: RabbitMQ closes the connection, and every channel on it. Hundreds
+of agents share one connection (``tests/benchmarks/fleet.py``: 500), so one channel's end
+cost all of them their link.
+
+aiormq (7.2.4) sends such frames. Two of them made RabbitMQ close the connection in
+``tests/transport/test_rabbitmq_channels.py``:
+
+- a publish made while the channel handles the broker's ``Channel.Close``: aiormq queues its
+  ``Channel.CloseOk`` at once, but the channel counts as closed only a few turns of the event
+  loop later, and ``basic_publish`` checks only that (agents sharing a connection with one
+  whose message the broker refused: ``operation basic.publish caused a connection
+  exception``);
+- an ack, nack or reject made while the client's own ``Channel.Close`` waits for its
+  ``CloseOk`` (aiormq refuses them only once the ``CloseOk`` is in: a consumer settling while
+  its subscription closes; ``operation basic.ack``).
+
+Read in aiormq, not reproduced through the transport: a second ``Channel.Close``, which
+aiormq sends when the first one's ``CloseOk`` is later than the heartbeat (sent by hand after
+a first one RabbitMQ had answered, it closes the connection too: ``operation
+channel.close``).
+
+Importing this module gives each aiormq channel a door to its connection's write queue, and
+the queue checks the door when a frame takes its place (after any wait for room, so the
+order is the socket's): a frame that comes after its channel's last one (the ``CloseOk`` the
+channel sent; or the ``Channel.Close`` it sent, after which only a ``CloseOk`` may follow, the
+answer to a ``Channel.Close`` of the broker's that crossed it) is not queued. Its sender gets
+``ChannelInvalidStateError``, as from a closed channel (the frame never left: the transport
+publishes the message again on the reopened channel, a delivery it could not ack is
+delivered again), and a redundant ``Channel.Close`` or ``CloseOk`` is dropped. Frames queued
+*before* the last one are harmless: the broker discards what arrives on a channel it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+import aiormq
+import aiormq.exceptions
+from aiormq.abc import ChannelFrame
+from pamqp import commands as spec
+
+__all__: list[str] = []
+
+log = logging.getLogger(__name__)
+
+#: Where a method frame's class and method are: after the frame type (1 byte), the channel
+#: (2) and the size (4). ``ChannelFrame.marshall`` puts the method frame first.
+_METHOD = slice(7, 11)
+_CLOSE = spec.Channel.Close.index
+_CLOSE_OK = spec.Channel.CloseOk.index
+
+
+class _ChannelDoor:
+    """What one aiormq channel sees as its connection's write queue (``put``, ``put_nowait``,
+    all that aiormq's ``Channel`` uses): each frame goes on tagged with this door, and
+    :class:`_WriteQueue` asks :meth:`admit` when it takes its place."""
+
+    __slots__ = ("_closed", "_ended", "_number", "_queue")
+
+    def __init__(self, queue: asyncio.Queue[ChannelFrame], number: int) -> None:
+        self._queue = queue
+        self._number = number
+        self._closed = False  # its Channel.Close is queued: only a CloseOk may follow
+        self._ended = False  # its last frame is queued
+
+    def admit(self, frame: ChannelFrame) -> bool:
+        """May ``frame`` go on now? Raises for a frame after the channel's last one; False
+        for a redundant ``Channel.Close`` or ``CloseOk`` (dropped)."""
+        method = int.from_bytes(frame.payload[_METHOD], "big")
+        ending = method in (_CLOSE, _CLOSE_OK)
+        if self._ended or (self._closed and method != _CLOSE_OK):
+            if ending:
+                log.debug("channel %d: a second %s dropped", self._number, _name(method))
+                return False
+            raise aiormq.exceptions.ChannelInvalidStateError(
+                f"channel {self._number} is closed: nothing more may be sent on it"
+            )
+        if method == _CLOSE:
+            self._closed = True
+        elif method == _CLOSE_OK:
+            self._ended = True
+        return True
+
+    def _tagged(self, frame: ChannelFrame) -> ChannelFrame:
+        if not isinstance(self._queue, _WriteQueue):
+            # A connection made before this module was imported: checked here, in order
+            # unless the frame waits for room.
+            return frame if self.admit(frame) else _NOTHING
+        return _DoorFrame(frame.payload, frame.should_close, frame.drain_future, self)
+
+    async def put(self, frame: ChannelFrame) -> None:
+        tagged = self._tagged(frame)
+        if tagged is not _NOTHING:
+            await self._queue.put(tagged)
+
+    def put_nowait(self, frame: ChannelFrame) -> None:
+        tagged = self._tagged(frame)
+        if tagged is not _NOTHING:
+            self._queue.put_nowait(tagged)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DoorFrame(ChannelFrame):
+    """A channel's frame, with the door it came through."""
+
+    door: _ChannelDoor | None = None
+
+
+#: A frame the door dropped.
+_NOTHING = ChannelFrame(b"", False)
+
+
+class _WriteQueue(asyncio.Queue[ChannelFrame]):
+    """A connection's write queue: a channel's frame takes its place only if its door admits
+    it then (``asyncio.Queue.put`` ends in ``put_nowait``, after any wait for room)."""
+
+    def put_nowait(self, item: ChannelFrame) -> None:
+        if self.full():
+            raise asyncio.QueueFull
+        if isinstance(item, _DoorFrame) and item.door is not None and not item.door.admit(item):
+            return
+        super().put_nowait(item)
+
+
+def _name(method: int) -> str:
+    return "Channel.Close" if method == _CLOSE else "Channel.CloseOk"
+
+
+_connection_init = aiormq.Connection.__init__
+_channel_init = aiormq.Channel.__init__
+
+
+def _init_connection(self: aiormq.Connection, *args: Any, **kwargs: Any) -> None:
+    _connection_init(self, *args, **kwargs)
+    self.write_queue = _WriteQueue(maxsize=self.write_queue.maxsize)
+
+
+def _init_channel(
+    self: aiormq.Channel, connector: Any, number: int, *args: Any, **kwargs: Any
+) -> None:
+    _channel_init(self, connector, number, *args, **kwargs)
+    self.write_queue = _ChannelDoor(self.write_queue, number)  # type: ignore[assignment]
+
+
+aiormq.Connection.__init__ = _init_connection  # type: ignore[method-assign]
+aiormq.Channel.__init__ = _init_channel  # type: ignore[method-assign]

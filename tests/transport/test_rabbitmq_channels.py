@@ -1,0 +1,176 @@
+"""One channel's end costs that channel, never the connection the others share.
+
+Many agents share one AMQP connection (``tests/benchmarks/fleet.py``: 500 to a connection), so
+whatever one channel does after the broker or the client closed it is everyone's problem:
+RabbitMQ answers any frame on a channel number it has already forgotten with a connection
+error (``CHANNEL_ERROR - expected 'channel.open'``), and every channel on the connection goes
+with it. These tests churn channels on one connection the ways the transport does, with the
+broker closing some of them, and check that the link stays up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+
+from schemas import PublishNotConfirmed, TransportError
+from schemas.channels import ChannelNames
+from schemas.transport import Delivery
+from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
+
+from ._helpers import assert_nothing, outgoing, receive
+from ._rabbitmqctl import BrokerUser, rabbitmqctl, throwaway_user
+
+pytestmark = pytest.mark.rabbitmq
+
+BOUND = 60
+SETTINGS = AmqpSettings(connect_timeout=3, reconnect_timeout=5, confirm_timeout=5)
+
+
+def _said(caplog: pytest.LogCaptureFixture, words: str) -> list[str]:
+    """What the transport logged with ``words`` in it (only its own records are formatted:
+    aio-pika's may no longer format once their callbacks ran)."""
+    ours = (r.getMessage() for r in caplog.records if r.name.startswith("schemas."))
+    return [text for text in ours if words in text]
+
+
+def _lost_links(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return _said(caplog, "lost the link")
+
+
+@pytest.fixture
+async def alice(unique: str) -> AsyncIterator[BrokerUser]:
+    async with throwaway_user(f"alice-{unique}") as user:
+        yield user
+
+
+@pytest.fixture
+async def central(amqp_url: str, unique: str) -> AsyncIterator[RabbitMQTransport]:
+    """The central side, as guest; deletes the test's entities afterwards."""
+    channels = ChannelNames().suffixed(unique)
+    async with RabbitMQTransport(amqp_url, channels, settings=SETTINGS) as transport:
+        try:
+            yield transport
+        finally:
+            await transport.delete_topology(groups=["audit"], vms=["vm-a"], exchanges=True)
+
+
+async def test_a_refused_publish_does_not_close_the_connection_its_neighbours_share(
+    amqp_url: str,
+    alice: BrokerUser,
+    central: RabbitMQTransport,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The broker closes the publishing channel for a message it refuses (here a routing key
+    the user's topic permissions forbid), and the robust channel reopens for the next. The
+    agents sharing the connection keep publishing meanwhile: aiormq sent the publishes made
+    between its ``Channel.CloseOk`` and the channel's closing on the channel the broker had
+    just forgotten, and RabbitMQ closed the whole connection (``CHANNEL_ERROR - expected
+    'channel.open'``, caused by ``basic.publish``): every agent on it lost its link, the
+    approvals consumer with them. Now a publish that comes after the channel's end is not
+    sent there but again on the reopened channel, the link stays up and the consumer on it
+    is never interrupted. (A neighbour whose message was already on the channel when the
+    broker closed it is told PublishNotConfirmed, with the refused message's reason: a
+    separate matter, not asserted here.)"""
+    caplog.set_level(logging.INFO, logger="schemas.transport")
+    events = central.channels.events_exchange
+    await rabbitmqctl("set_topic_permissions", "-p", "/", alice.name, events, r"^.*\.vm-a$", ".*")
+    async with (
+        asyncio.timeout(BOUND),
+        RabbitMQTransport(alice.url(amqp_url), central.channels, settings=SETTINGS) as agents,
+    ):
+        await central.declare_group("audit")
+        async with agents.approvals("vm-a") as approvals:
+            confirmed = refused = 0
+            stop = asyncio.Event()
+
+            async def neighbour() -> None:
+                nonlocal confirmed
+                while not stop.is_set():
+                    with contextlib.suppress(PublishNotConfirmed):
+                        await agents.publish(outgoing(routing_key="started.Reboot.vm-a"))
+                        confirmed += 1
+
+            async def refusals() -> None:
+                nonlocal refused
+                for _ in range(40):
+                    with pytest.raises(PublishNotConfirmed, match="ACCESS_REFUSED"):
+                        await agents.publish(outgoing(routing_key="started.Reboot.vm-b"))
+                    refused += 1
+                    if _lost_links(caplog):
+                        break
+                stop.set()
+
+            await asyncio.gather(refusals(), *(neighbour() for _ in range(20)))
+            assert not _lost_links(caplog), f"after {refused} refusals"
+            assert refused == 40
+            assert confirmed > 40
+            # The consumer sharing the connection was never cut off: it still gets approvals.
+            await central.send_approval(agents.reply_address("vm-a"), sent := outgoing("approve"))
+            delivery = await receive(approvals)
+            await delivery.ack()
+        assert delivery.message_id == sent.message_id
+        await agents.delete_topology(vms=["vm-a"])
+    assert not _said(caplog, "again after a reconnect")
+
+
+async def test_settling_while_a_subscription_closes_does_not_close_the_connection(
+    amqp_url: str, central: RabbitMQTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A consumer that settles deliveries while its subscription closes (a stop that finds
+    workers still acking, a subscription closed while its deliveries are being handled):
+    aiormq sent the acks made while the subscription's ``Channel.Close`` waited for the
+    broker's ``CloseOk`` after the Close, on a channel RabbitMQ had already forgotten, and it
+    closed the whole connection (``expected 'channel.open'``, caused by ``basic.ack``). Such an
+    ack now fails as one from a closed channel and the broker delivers the message again; an
+    ack made before the close goes through; the connection carries on."""
+    caplog.set_level(logging.INFO, logger="schemas.transport")
+    pending = 40
+    # Each round hands the unacked deliveries back: no dead-lettering for that here.
+    settings = dataclasses.replace(SETTINGS, delivery_limit=1000)
+    outcomes: list[str] = []
+
+    async def ack_later(delivery: Delivery, delay: float) -> None:
+        await asyncio.sleep(delay)
+        try:
+            await delivery.ack()
+        except TransportError:
+            outcomes.append("refused")
+        else:
+            outcomes.append("acked")
+
+    async with (
+        asyncio.timeout(BOUND),
+        RabbitMQTransport(amqp_url, central.channels, settings=settings) as consumer,
+    ):
+        await consumer.declare_group("audit")
+        await asyncio.gather(*(consumer.publish(outgoing(str(n))) for n in range(pending)))
+        for _ in range(30):
+            subscription = consumer.subscribe("audit", prefetch=pending)
+            await subscription.start()
+            deliveries = [await receive(subscription) for _ in range(20)]
+            before = outcomes.count("acked")
+            acks = [
+                asyncio.create_task(ack_later(delivery, n * 0.0002))
+                for n, delivery in enumerate(deliveries)
+            ]
+            await subscription.close()
+            await asyncio.gather(*acks)
+            # What was acked is gone: publish as much again for the next round.
+            acked = outcomes.count("acked") - before
+            await asyncio.gather(*(consumer.publish(outgoing("more")) for _ in range(acked)))
+            if _lost_links(caplog):
+                break
+        assert not _lost_links(caplog)
+        # The acks straddled the closes: some went before, some came after.
+        assert "acked" in outcomes
+        assert "refused" in outcomes
+        # What was not acked was handed back: all of it is still there, once.
+        async with consumer.subscribe("audit", prefetch=pending) as subscription:
+            for _ in range(pending):
+                await (await receive(subscription)).ack()
+            await assert_nothing(subscription, 0.3)
