@@ -294,7 +294,9 @@ class ApproverService:
 
     async def handle(self, message: LifecycleMessage) -> None:
         """Take one message into account. Without a database its approvals are sent before
-        this returns; with one, what it changed is committed by :meth:`commit`."""
+        this returns; with one, what it changed is committed by :meth:`commit`. When it
+        fails, the message is not taken: the view gives it back, for the stream's retry to
+        take anew (or for good, dead-lettered: the database never has it either)."""
         async with self._lock:
             if self._staged.empty:  # the first message since the last commit
                 await self._sync()
@@ -307,12 +309,20 @@ class ApproverService:
                 log.info("approvals a lost link stopped are still not confirmed (%s)", exc)
             if self._owed is not None:  # on the view before this message, as it was left
                 await self._decide_owed(commit=False)
+            # Still owed: deciding them failed again just now. They are decided as owed work
+            # (which a failure does not cost a message), not for this message: a defect met
+            # deciding one event must not fail every message that frees room for it (each
+            # retried, then dead-lettered, and its change lost).
+            owing = () if self._owed is None else tuple(self._owed.events)
             plan = _Plan(messages=[message])
             self.fleet.take_changes()
-            state = self.fleet.apply(message)
-            # From here on the view holds the message (it takes one whole or not at all), and
-            # its retry changes nothing there: should deciding fail, what it was deciding is
-            # owed (see _owe).
+            state, taken = self.fleet.take(message)
+            # From here on the view holds the message (it takes one whole or not at all). Should
+            # handling fail, the message is given back: it is not taken (the stream retries it,
+            # or dead-letters it, and the database never has it), so neither is the view to
+            # have it, nor decisions after this one to rest on it; and what deciding took on
+            # is owed (see _owe).
+            put_back = self._keep_refusal(message, state)
             try:
                 if isinstance(message, ApprovalOutcomeMessage) and state is not None:
                     self._outcome(message, state)
@@ -321,8 +331,11 @@ class ApproverService:
                 # Before the changes are taken: an event a prune ends (the VM it waited for
                 # fell silent) or forgets frees room that held events are decided again for.
                 self._prune_now_and_then()
-                await self._reevaluate(plan, skip=state)
+                await self._reevaluate(plan, skip=state, owing=owing)
             except BaseException:
+                self.fleet.give_back(taken)
+                if put_back is not None:
+                    put_back()
                 self._owe(plan, state)
                 raise
             await self._settle(plan, commit=False)
@@ -503,13 +516,15 @@ class ApproverService:
     def _owe(self, plan: _Plan, state: EventState | None) -> _Owed:
         """Deciding failed part way (a database read, a defect): ``plan`` is dropped, so
         nothing it decided is recorded and none of its approvals goes out; the approvals it
-        signed are taken back from the view (their events and VMs are as before them). But the
-        view keeps what changed it (the message: the retry finds nothing new in it; a refusal,
-        a prune), so what deciding took on is owed, decided with the next message (the retry
-        or another) or by housekeeping: the events it decided about and ``state``'s, and the
-        changes of who is unavailable it took or left, whose held events are decided again as
-        for a new change. Without this, the held events a freed slot released waited for their
-        NotBefore, and an approval signed and never sent kept its event from being approved."""
+        signed are taken back from the view (their events and VMs are as before them), and so
+        is a message that failed (:meth:`handle` gives it back first). What deciding took on
+        is owed all the same, decided with the next message (the retry or another) or by
+        housekeeping: the events it decided about and ``state``'s, and the changes of who is
+        unavailable it took or left (those the message made, and their undoing; a prune's,
+        which stays), whose held events are decided again as for a new change. Without this,
+        the held events a freed slot released waited for their NotBefore, and an approval
+        signed and never sent kept its event from being approved. Deciding an event again on
+        a view that did not change for it decides the same (recorded once)."""
         owed = _Owed()
         for before in (plan.owed, self._owed):
             if before is not None:
@@ -527,7 +542,8 @@ class ApproverService:
                 signed.sent = previous
                 if previous is not None:
                     signed.superseded.pop(previous.approval_id, None)
-            self.fleet.refresh(signed)
+            if self.fleet.event(signed.event_id) is signed:  # not one the message made, gone
+                self.fleet.refresh(signed)
         owed.events.update(dict.fromkeys(plan.evaluated))
         if state is not None:
             owed.events[state.event_id] = None
@@ -604,12 +620,19 @@ class ApproverService:
         self.fleet.refresh(state)
 
     async def _reevaluate(
-        self, plan: _Plan, skip: EventState | None, owed: _Owed | None = None
+        self,
+        plan: _Plan,
+        skip: EventState | None,
+        owed: _Owed | None = None,
+        owing: Iterable[str] = (),
     ) -> None:
         """Who is unavailable changed: decide again the held events the change can release
-        (see the module docstring), and only those; with ``owed`` (see :meth:`_owe`), its
-        events first, then the held events of its changes as of the view's."""
-        seen: set[str] = set() if skip is None else {skip.event_id}
+        (see the module docstring), and only those, but not ``owing`` (left to owed work);
+        with ``owed`` (see :meth:`_owe`), its events first, then the held events of its
+        changes as of the view's."""
+        seen: set[str] = set(owing)
+        if skip is not None:
+            seen.add(skip.event_id)
 
         async def again(event_id: str) -> None:
             seen.add(event_id)
@@ -682,6 +705,41 @@ class ApproverService:
     def _groups_of(self, state: EventState) -> list[Group]:
         """Every group of the event's VMs, once each."""
         return list(dict.fromkeys(g for vm in state.resources for g in self.fleet.groups(vm)))
+
+    def _keep_refusal(
+        self, message: LifecycleMessage, state: EventState | None
+    ) -> Callable[[], None] | None:
+        """What :meth:`_outcome` may change for ``message`` outside the view (the VMs refused
+        by and resting for the version its event has out), as it is now: a function that puts
+        it back should the handling fail (the refusal was not taken; its retry counts it once,
+        not twice)."""
+        if not isinstance(message, ApprovalOutcomeMessage) or state is None:
+            return None
+        sent = state.sent
+        if sent is None:
+            return None  # it can settle only an earlier version's approval: nothing counted
+        key, event_id = (state.event_id, sent.event_version), state.event_id
+        tried = self._tried.get(key)
+        tried = None if tried is None else set(tried)
+        resting = self._resting.get(key)
+        resting = None if resting is None else dict(resting)
+        wake = self._wake.get(event_id)
+
+        def put_back() -> None:
+            if tried is None:
+                self._tried.pop(key, None)
+            else:
+                self._tried[key] = tried
+            if resting is None:
+                self._resting.pop(key, None)
+            else:
+                self._resting[key] = resting
+            if wake is None:
+                self._wake.pop(event_id, None)
+            else:
+                self._wake[event_id] = wake
+
+        return put_back
 
     def _outcome(self, message: ApprovalOutcomeMessage, state: EventState) -> None:
         """An agent refused one of this approver's approvals: it is void; a VM-specific

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
+from typing import NamedTuple
 
 from schemas import (
     AgentMessage,
@@ -51,6 +52,7 @@ __all__ = [
     "EventState",
     "FleetView",
     "SentApproval",
+    "Taken",
     "VmReport",
 ]
 
@@ -308,6 +310,114 @@ class AgentState:
         return self.identity.name
 
 
+@dataclass(slots=True)
+class Taken:
+    """What one message taken with :meth:`FleetView.take` changed, as it was before: what
+    :meth:`FleetView.give_back` puts back should the message not be taken after all."""
+
+    #: The message's VM (casefolded), and its agent before the message (a copy; None: the
+    #: message made it) and after it (the view's own).
+    vm: str
+    agent: _AgentBefore | None = None
+    agent_after: AgentState | None = None
+    #: The event the message is about before it (a copy; None: the message made it) and after
+    #: it (the view's own; None: about no event), and whether its end waited (``_ending``).
+    event: _EventBefore | None = None
+    event_after: EventState | None = None
+    ending: bool = False
+    #: How many messages the view had taken with this one (see :meth:`FleetView.give_back`).
+    serial: int = 0
+
+
+class _AgentBefore(NamedTuple):
+    """An agent as it was before a message (see :class:`Taken`)."""
+
+    identity: VmIdentity
+    reply_to: ReplyAddress
+    last_seen: datetime
+    online: bool
+    agent_version: str
+    last_heartbeat: datetime | None
+    offline_reason: str | None
+
+
+def _copy_agent(agent: AgentState) -> _AgentBefore:
+    return _AgentBefore(
+        agent.identity,
+        agent.reply_to,
+        agent.last_seen,
+        agent.online,
+        agent.agent_version,
+        agent.last_heartbeat,
+        agent.offline_reason,
+    )
+
+
+def _put_agent(agent: AgentState, before: _AgentBefore) -> None:
+    (
+        agent.identity,
+        agent.reply_to,
+        agent.last_seen,
+        agent.online,
+        agent.agent_version,
+        agent.last_heartbeat,
+        agent.offline_reason,
+    ) = before
+
+
+class _EventBefore(NamedTuple):
+    """What of an event one message can change, as it was before (see :class:`Taken`): not
+    its id, nor ``counted_down``, which says what the index holds (see
+    :meth:`FleetView.give_back`). A tuple: one is made per message the approver takes."""
+
+    event: ScheduledEvent
+    version: str
+    phase: EventPhase
+    last_update: datetime
+    reports: dict[str, VmReport]
+    hooks: dict[str, dict[str, HookResultMessage]]
+    outcomes: dict[tuple[str, str], ApprovalOutcomeMessage]
+    sent: SentApproval | None
+    superseded: dict[str, str]
+    listed: set[str]
+
+
+def _copy_event(state: EventState, vm: str) -> _EventBefore:
+    """What of ``state`` a message of VM ``vm`` (casefolded) can change, copied: its containers
+    too, but of the hook results only that VM's (a message changes no other VM's)."""
+    hooks = dict(state.hooks)
+    own = hooks.get(vm)
+    if own is not None:
+        hooks[vm] = dict(own)
+    return _EventBefore(
+        state.event,
+        state.version,
+        state.phase,
+        state.last_update,
+        dict(state.reports),
+        hooks,
+        dict(state.outcomes),
+        state.sent,
+        dict(state.superseded),
+        set(state.listed),
+    )
+
+
+def _put_event(state: EventState, before: _EventBefore) -> None:
+    (
+        state.event,
+        state.version,
+        state.phase,
+        state.last_update,
+        state.reports,
+        state.hooks,
+        state.outcomes,
+        state.sent,
+        state.superseded,
+        state.listed,
+    ) = before
+
+
 @dataclass(slots=True)  # not frozen: one is made per message, and frozen costs a microsecond
 class _Reading:
     """What one message does to the view, worked out before the view changes
@@ -368,6 +478,8 @@ class FleetView:
         self._ending: set[str] = set()
         #: While messages are replayed (:meth:`replaying`), ends wait for the last of them.
         self._replaying = False
+        #: Messages taken so far (:meth:`give_back` takes back only the last one).
+        self._serial = 0
 
     # ------------------------------------------------------------------------------ feeding
 
@@ -386,12 +498,29 @@ class FleetView:
         leaves it as it was. Half taken (its agent heard, its report kept, its content not),
         the view was neither before nor after it, and that is what its retry, the next
         message, or nothing at all (it was dead-lettered) was judged against."""
+        return self._apply(message, None)
+
+    def take(self, message: LifecycleMessage) -> tuple[EventState | None, Taken]:
+        """:meth:`apply`, and what :meth:`give_back` needs to take the message back out: for a
+        consumer that may yet not take a message the view took (the approver, whose handling
+        of a message can fail after the view took it: a message the stream then dead-letters
+        is one it did not take, and its retry is to find the view as before it)."""
+        taken = Taken(message.vm.name.casefold())
+        return self._apply(message, taken), taken
+
+    def _apply(self, message: LifecycleMessage, taken: Taken | None) -> EventState | None:
         at = min(message.time, self.clock() + self.clock_skew)
         reading = self._read(message, at)
         # From here on the view changes: whatever below could fail on the message belongs in
         # _read.
+        self._serial += 1
+        if taken is not None:
+            self._hold(taken, reading)
         self._seen_agent(message, at)
         state = reading.state
+        if taken is not None:
+            taken.agent_after = self._agents.get(taken.vm)
+            taken.event_after = state
         if state is None:
             return None
         if reading.new:
@@ -413,6 +542,60 @@ class FleetView:
                 _bound_outcomes(state, vm)
         self.refresh(state)
         return state
+
+    def _hold(self, taken: Taken, reading: _Reading) -> None:
+        """Keep in ``taken`` what the message read as ``reading`` is about to change."""
+        agent = self._agents.get(taken.vm)
+        taken.agent = None if agent is None else _copy_agent(agent)
+        state = reading.state
+        if state is not None and not reading.new:
+            taken.event = _copy_event(state, taken.vm)
+            taken.ending = state.event_id in self._ending
+        taken.serial = self._serial
+
+    def give_back(self, taken: Taken) -> None:
+        """Take a message :meth:`take` took back out, as if it had never come: its agent and
+        its event are as they were before it, and who is unavailable is counted again (what
+        that changes, a VM down again or a group with room again, :meth:`take_changes` reports
+        like any change). Only before the view takes another message: what that one changed
+        would go with it. What happened to the event or the agent since without a message
+        stays (the approver's decisions are its own to take back; an event or agent a prune
+        forgot stays forgotten)."""
+        if taken.serial != self._serial:
+            raise RuntimeError("only the last message the view took can be given back")
+        self._serial -= 1
+        state = taken.event_after
+        if state is not None and self._events.get(state.event_id) is not state:
+            state = None  # forgotten since (a prune)
+        if state is not None:
+            self._set_down(state, False)  # counted again below, as it was before
+        agent = self._agents.get(taken.vm)
+        if agent is not None and agent is taken.agent_after:
+            before = taken.agent
+            if before is None or before.identity != agent.identity:
+                if taken.vm in self._down:  # it leaves groups where it counted as down
+                    self._freed.update(self._groups_of(agent.identity))
+                self._leave(taken.vm, agent.identity)
+            if before is None:
+                del self._agents[taken.vm]
+            else:
+                if before.identity != agent.identity:
+                    self._join(taken.vm, before.identity)
+                _put_agent(agent, before)
+        if state is None:
+            return
+        if taken.event is None:  # the message made it
+            del self._events[state.event_id]
+            self._ending.discard(state.event_id)
+            return
+        _put_event(state, taken.event)
+        if taken.ending:
+            self._ending.add(state.event_id)
+            if not self._replaying:  # as the message before it left it, judged now
+                self._end_if_over(state)
+        else:
+            self._ending.discard(state.event_id)
+        self.refresh(state)
 
     def _read(self, message: LifecycleMessage, at: datetime) -> _Reading:
         """What ``message`` does to the view, worked out without changing it (see

@@ -10,7 +10,7 @@ import pytest
 
 from consumers import EventPhase, FleetView
 from consumers import _fleet as fleet_module
-from consumers._fleet import MAX_HOOKS_PER_VM, MAX_OUTCOMES_PER_VM
+from consumers._fleet import MAX_HOOKS_PER_VM, MAX_OUTCOMES_PER_VM, SentApproval
 from schemas import LifecycleMessage, MessageType, event_version
 
 from ._factory import T0, event, heartbeat, hook, outcome, transition, vm
@@ -309,3 +309,115 @@ def test_a_message_that_fails_to_apply_leaves_the_view_as_it_was(monkeypatch, na
     state = view.event(message.subject or "")
     assert state is not None
     assert state.version == event_version(state.event)
+
+
+def _fleet_with_more_history() -> FleetView:
+    """Scale set S: EVT-1 on web-1 and web-2, an approval of it sent to web-2 and web-1's
+    applied (both down). Zone 1: EVT-2 started on web-3 and web-4, web-4 reported it over
+    while web-3, live, still runs it (its end waits)."""
+    view = FleetView(clock=_a_minute_in)
+    web1, web2 = vm("web-1", scale_set="S"), vm("web-2", scale_set="S")
+    web3, web4 = vm("web-3", zone="1"), vm("web-4", zone="1")
+    one = event("EVT-1", source="User", resources=("web-1", "web-2"))
+    two = event("EVT-2", resources=("web-3", "web-4"), status="Started")
+    view.apply(heartbeat(web1, at=T0))
+    view.apply(transition("scheduled", one, web1, at=T0))
+    view.apply(transition("scheduled", one, web2, at=T0))
+    state = view.event("EVT-1")
+    assert state is not None
+    state.send(SentApproval("A-2", state.version, "web-2", T0))
+    view.refresh(state)
+    view.apply(outcome(web1, one, at=T0 + timedelta(seconds=1)))
+    view.apply(transition("started", two, web3, at=T0))
+    view.apply(transition("started", two, web4, at=T0))
+    view.apply(transition("completed", two, web4, at=T0 + timedelta(seconds=2)))
+    return view
+
+
+_SOON = T0 + timedelta(seconds=10)
+_ONE = event("EVT-1", source="User", resources=("web-1", "web-2"))
+_TWO = event("EVT-2", resources=("web-3", "web-4"), status="Started")
+_GIVEN_BACK: dict[str, LifecycleMessage] = {
+    "a-new-agent-in-a-group": heartbeat(vm("web-9", scale_set="S"), at=_SOON),
+    "a-down-vm-moving-group": heartbeat(vm("web-1", scale_set="T"), at=_SOON),
+    "an-agent-going-offline": heartbeat(
+        vm("web-3", zone="1"), at=_SOON, kind=MessageType.AGENT_OFFLINE
+    ),
+    "a-new-event-from-a-new-vm": transition(
+        "scheduled", event("EVT-3", resources=("web-5",)), vm("web-5", zone="1"), at=_SOON
+    ),
+    "a-start": transition(
+        "started",
+        event("EVT-1", source="User", resources=("web-1", "web-2"), status="Started"),
+        vm("web-1", scale_set="S"),
+        at=_SOON,
+    ),
+    "the-last-end": transition("completed", _TWO, vm("web-3", zone="1"), at=_SOON),
+    "an-end-that-waits": transition(
+        "completed",
+        event("EVT-1", source="User", resources=("web-1", "web-2"), status="Started"),
+        vm("web-1", scale_set="S"),
+        at=_SOON,
+    ),
+    "new-content-naming-another-vm": transition(
+        "updated",
+        event("EVT-1", source="User", resources=("web-1", "web-2", "web-3")),
+        vm("web-2", scale_set="S"),
+        at=_SOON,
+    ),
+    "a-hook-result": hook(vm("web-2", scale_set="S"), _ONE, at=_SOON),
+    "a-refusal": outcome(
+        vm("web-2", scale_set="S"), _ONE, applied=False, approval_id="A-2", at=_SOON
+    ),
+    "an-old-report": transition(
+        "scheduled", _ONE, vm("web-1", scale_set="S"), at=T0 - timedelta(hours=1)
+    ),
+}
+
+
+def _held(view: FleetView) -> dict[str, Any]:
+    """What the view holds (:func:`_picture`), with the changes not yet taken left out and
+    groups with no VM left as no group."""
+    view.take_changes()
+    picture = _picture(view)
+    for index in ("_members", "_down_members"):
+        picture[index] = {group: vms for group, vms in picture[index].items() if vms}
+    return picture
+
+
+@pytest.mark.parametrize("name", list(_GIVEN_BACK))
+def test_a_message_given_back_leaves_the_view_as_if_it_never_came(name):
+    """The approver takes a message into the view before it decides on it; when deciding
+    fails, the stream retries the message, then dead-letters it, and a dead-lettered message
+    is one the approver did not take (its database never has it). Given back, the view is as
+    one that never had it: each event, agent, who is down per group, the ends waiting; and
+    the changes that makes (a VM down again, room in a group again) are reported. Taken again
+    (the retry), it ends as on a view that took it once."""
+    message = _GIVEN_BACK[name]
+    view, twin = _fleet_with_more_history(), _fleet_with_more_history()
+    before = _held(view)
+    _, taken = view.take(message)
+    if name != "an-old-report":
+        assert _held(view) != before  # it did change the view
+    view.give_back(taken)
+    assert _held(view) == before
+    with pytest.raises(RuntimeError, match="only the last message"):
+        view.give_back(taken)
+    view.apply(message)
+    twin.apply(message)
+    assert _held(view) == _held(twin)
+
+
+def test_a_message_given_back_reports_the_room_it_had_freed_as_taken_again():
+    """web-3's end of EVT-2 frees zone 1; given back, web-3 and web-4 are down again: the
+    change is reported, so whoever decided on the freed room decides again."""
+    view = _fleet_with_more_history()
+    view.take_changes()
+    _, taken = view.take(_GIVEN_BACK["the-last-end"])
+    freed, _ = view.take_changes()
+    assert freed == {("zone", "1")}
+    assert view.down_in("zone", "1") == set()
+    view.give_back(taken)
+    _, downed = view.take_changes()
+    assert downed == {"web-3", "web-4"}
+    assert view.down_in("zone", "1") == {"web-3", "web-4"}
