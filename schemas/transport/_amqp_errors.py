@@ -27,6 +27,7 @@ __all__ = [
     "is_spurious_cancel",
     "reason",
     "refused",
+    "refuses",
     "unabandoned",
     "uninterrupted",
 ]
@@ -70,6 +71,12 @@ MESSAGE_REFUSALS: tuple[type[BaseException], ...] = (
 
 #: RabbitMQ's words for a message over ``max_message_size`` (PRECONDITION_FAILED).
 _TOO_LARGE = re.compile(r"message size \d+ is larger than configured max size")
+#: The same, with the limit (in bytes of body).
+_SIZE_LIMIT = re.compile(r"message size \d+ is larger than configured max size (\d+)")
+#: RabbitMQ's words for a routing key the user's topic permissions forbid (ACCESS_REFUSED).
+_TOPIC = re.compile(r"access to topic '(.*)' in exchange '(.*)' in vhost '.*' refused for user")
+#: RabbitMQ's words for a ``user_id`` that is not the login's (PRECONDITION_FAILED).
+_USER_ID = re.compile(r"user_id property set to '(.*)' but authenticated user was")
 
 _INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'")
 
@@ -187,6 +194,29 @@ def refused(exc: BaseException, what: str) -> PublishNotConfirmed:
     if _TOO_LARGE.search(text):
         return MessageRefused(f"{what}: RabbitMQ will never take it: {text}")
     return PublishNotConfirmed(f"{what}: RabbitMQ refused it: {text}")
+
+
+def refuses(
+    exc: BaseException, exchange: str, routing_key: str, body: bytes, user_id: str | None
+) -> bool:
+    """Whether the broker's refusal ``exc`` (a MESSAGE_REFUSALS, which closed the channel) is
+    about this message, published to ``exchange`` with ``routing_key``, ``body`` and
+    ``user_id``. aiormq fails every publish still waiting for its confirm on the closed
+    channel with the same refusal, whichever message the broker refused: a neighbour whose
+    body, routing key and user_id the broker's words rule out was not judged (or was taken
+    before the refused one), and is published again. Words it cannot read blame the message,
+    as before."""
+    text = reason(exc)
+    size = _SIZE_LIMIT.search(text)
+    if size is not None:
+        return len(body) > int(size.group(1))
+    topic = _TOPIC.search(text)
+    if topic is not None:
+        return (topic.group(1), topic.group(2)) == (routing_key, exchange)
+    user = _USER_ID.search(text)
+    if user is not None:
+        return (user_id or "") == user.group(1)
+    return True
 
 
 def config_error(exc: BaseException, entity: str, hint: str) -> ConfigError:

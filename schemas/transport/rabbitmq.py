@@ -36,7 +36,10 @@ confirmed, and raises :class:`PublishNotConfirmed` when the broker refused that 
 an unroutable message, a ``user_id`` that is not the login's, a routing key the user's topic
 permissions forbid (the broker closes the channel, which reopens for the next message), or no
 confirm in ``confirm_timeout``; :class:`MessageRefused` for a message over the broker's
-``max_message_size``, which it will never take. An approval to a VM whose agent never
+``max_message_size``, which it will never take. A refusal closes the channel, and every publish
+still waiting there for its confirm fails with it: it is raised only for the message the
+broker's words are about (its routing key, size or ``user_id``); the others are published again
+on the reopened channel. An approval to a VM whose agent never
 declared its queue is unroutable, so its sender learns it (the sender does not create queues
 for VMs).
 
@@ -89,6 +92,7 @@ from ._amqp_errors import (
     is_spurious_cancel,
     reason,
     refused,
+    refuses,
     unabandoned,
     uninterrupted,
 )
@@ -345,6 +349,7 @@ class RabbitMQTransport(AsyncResource):
         deadline = loop.time() + self.settings.reconnect_timeout
         attempt = 0
         backoff = Backoff(*_RETRY_PAUSE)
+        for_another = False  # the last failure was a refusal of another message
         while True:
             await self._wait_link(deadline, what)
             _, channel = self._require()
@@ -383,14 +388,20 @@ class RabbitMQTransport(AsyncResource):
                 ) from exc
             except MESSAGE_REFUSALS as exc:
                 # Refused for what it carries (user_id, routing key, size): the broker closed
-                # the channel, which reopens by itself for the next message.
-                raise refused(exc, what) from exc
+                # the channel, which reopens by itself for the next message. Every publish
+                # waiting for its confirm there is failed with that refusal: only the message
+                # it is about is refused, the others are sent again.
+                props = message.properties
+                if refuses(exc, exchange_name, routing_key, message.body, props.user_id):
+                    raise refused(exc, what) from exc
+                failure: BaseException = exc
+                for_another = True
             except REFUSALS as exc:
                 raise TransportError(f"{what}: RabbitMQ refused it: {reason(exc)}") from exc
             except asyncio.CancelledError as exc:
                 if not is_spurious_cancel(exc):
                     raise
-                failure: BaseException = exc
+                failure = exc
             except FAILURES as exc:
                 failure = exc
             else:
@@ -405,13 +416,22 @@ class RabbitMQTransport(AsyncResource):
                     f"{self.settings.reconnect_timeout:g} s ({reason(failure)}); the caller "
                     "should keep it and retry"
                 ) from failure
-            log.warning(
-                "%s interrupted (%s): the link is down; publishing again once it is back "
-                "(giving up in %.1f s)",
-                what,
-                reason(failure),
-                remaining,
-            )
+            if for_another:
+                for_another = False
+                log.info(
+                    "%s: RabbitMQ closed the channel for another message waiting there (%s): "
+                    "publishing this one again once the channel reopens",
+                    what,
+                    reason(failure),
+                )
+            else:
+                log.warning(
+                    "%s interrupted (%s): the link is down; publishing again once it is back "
+                    "(giving up in %.1f s)",
+                    what,
+                    reason(failure),
+                    remaining,
+                )
             await asyncio.sleep(min(backoff.next(), remaining))
 
     # -- topology -------------------------------------------------------------------------------
