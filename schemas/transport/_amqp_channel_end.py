@@ -1,4 +1,5 @@
-"""An AMQP channel's last frame is its last: nothing of it reaches the socket after.
+"""An AMQP channel's last frame is its last: nothing of it reaches the socket after, and
+what arrives for a channel given up never holds up the frames of the others.
 
 RabbitMQ forgets a channel once its closing handshake is done: once it has the client's
 ``Channel.CloseOk`` to its own ``Channel.Close`` (it closed the channel: a message it refused,
@@ -34,6 +35,24 @@ answer to a ``Channel.Close`` of the broker's that crossed it) is not queued. It
 publishes the message again on the reopened channel, a delivery it could not ack is
 delivered again), and a redundant ``Channel.Close`` or ``CloseOk`` is dropped. Frames queued
 *before* the last one are harmless: the broker discards what arrives on a channel it closes.
+
+The other way, a channel given up before its last frame arrives must not hold up the frames
+of the others. aiormq's connection has one reader for all its channels; it puts each frame in
+its channel's queue, and waits when that queue is full (10 frames: ``Connection.channel``'s
+default, fixed when aiormq is imported). The channel's own reader empties it, also while its
+``Channel.Close`` waits for the ``CloseOk``; but when aiormq gives the channel up first (its
+``Channel.Close`` or another request got no answer in time, so a close cancels the reader at
+once) the connection still routes its frames to it until the ``CloseOk``, and the
+deliveries the broker sent before it (up to the prefetch) fill the queue: the connection's
+reader waited for good, and nothing more arrived on any channel of the connection until the
+heartbeat check gave the whole connection up. Reproduced in
+``tests/transport/test_rabbitmq_channels.py`` (a subscription closed while its link stalled
+longer than the heartbeat: once the link came back, neither confirms nor approvals arrived
+on the connection). So a channel's queue here has no bound: the connection's reader never
+waits for one channel. What the broker sends a channel is bounded anyway: deliveries by its
+prefetch (every consumer channel of the transport sets one), confirms and returns by the
+publishes in flight, answers by the requests; a channel given up keeps them until it is
+dropped.
 """
 
 from __future__ import annotations
@@ -149,6 +168,8 @@ def _init_channel(
 ) -> None:
     _channel_init(self, connector, number, *args, **kwargs)
     self.write_queue = _ChannelDoor(self.write_queue, number)  # type: ignore[assignment]
+    # Nothing is in it yet: the channel's reader has not run, and it is not registered.
+    self.frames = asyncio.Queue()
 
 
 aiormq.Connection.__init__ = _init_connection  # type: ignore[method-assign]

@@ -41,7 +41,8 @@ import aiormq.exceptions
 from .._errors import TransportError
 
 # Imported for its effect: nothing is sent on a channel after its last frame, which made
-# RabbitMQ close the whole connection (see the module).
+# RabbitMQ close the whole connection, and a channel given up no longer stalls the connection's
+# reader (see the module).
 from . import _amqp_channel_end  # noqa: F401
 from ._amqp_errors import reason
 

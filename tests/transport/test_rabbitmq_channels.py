@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -24,6 +25,7 @@ from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
 
 from ._helpers import assert_nothing, outgoing, receive
 from ._rabbitmqctl import BrokerUser, rabbitmqctl, throwaway_user
+from .proxy import TcpProxy
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -222,3 +224,60 @@ async def test_a_refused_message_costs_that_message_not_its_neighbours_on_the_ch
                 got.add(delivery.body.decode())
                 await delivery.ack()
         assert got == {f"good-{n}-{k}" for n in range(20) for k in range(15)}
+
+
+async def test_a_subscription_closed_past_its_deadline_does_not_stall_the_connection(
+    amqp_url: str, central: RabbitMQTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A subscription closes while its link is stalled (paused here by a TCP proxy), longer
+    than aiormq waits for the broker's ``CloseOk`` (the heartbeat), and the broker had sent
+    it deliveries meanwhile (up to its prefetch, 256). aiormq then gives the channel up: its
+    reader stops, but the connection still routes the channel's frames to it until the
+    ``CloseOk``, which comes after those deliveries. Its frame queue held 10: the 11th frame
+    left the connection's only reader waiting for room nobody would make, so once the link
+    came back nothing more arrived on *any* channel of the connection (no confirm, no
+    approval, not the ``CloseOk``) until the heartbeat check gave the connection up (3 x
+    (heartbeat + 1) s; 93 s with the default 30). Now the channel's frames queue without
+    bound (the broker sends a channel at most its prefetch of deliveries, a confirm per
+    publish in flight, an answer per request), and the connection carries on at once."""
+    caplog.set_level(logging.INFO, logger="schemas.transport")
+    loop = asyncio.get_running_loop()
+    settings = dataclasses.replace(SETTINGS, heartbeat=2)
+    split = urlsplit(amqp_url)
+    async with (
+        asyncio.timeout(BOUND),
+        TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
+    ):
+        through = split._replace(netloc=f"{split.username}:{split.password}@127.0.0.1:{proxy.port}")
+        async with (
+            RabbitMQTransport(through.geturl(), central.channels, settings=settings) as consumer,
+            consumer.approvals("vm-a") as approvals,
+        ):
+            await central.declare_group("audit")
+            subscription = consumer.subscribe("audit", prefetch=256)
+            await subscription.start()
+            await consumer.publish(outgoing("before"))
+            await (await receive(subscription)).ack()
+
+            proxy.pause()
+            await asyncio.gather(*(central.publish(outgoing("queued")) for _ in range(600)))
+            started = loop.time()
+            await subscription.close()
+            closing = loop.time() - started
+            proxy.resume()
+            resumed = loop.time()
+
+            await central.send_approval(consumer.reply_address("vm-a"), sent := outgoing("go"))
+            try:
+                delivery = await receive(approvals, within=3)
+                async with asyncio.timeout(3):
+                    await consumer.publish(outgoing("after"))
+            finally:
+                print(
+                    f"\nclose took {closing:.2f} s (aiormq waits {settings.heartbeat} s for "
+                    f"the CloseOk); the approval and a confirm came "
+                    f"{loop.time() - resumed:.2f} s after the link did"
+                )
+            await delivery.ack()
+        assert delivery.message_id == sent.message_id
+        assert not _lost_links(caplog)
