@@ -470,8 +470,9 @@ class FleetView:
         #: Group -> its members, and its unavailable members (casefolded names).
         self._members: dict[Group, set[str]] = {}
         self._down_members: dict[Group, set[str]] = {}
-        #: Since :meth:`take_changes`: groups where a VM became available again, and VMs
-        #: that became unavailable (casefolded).
+        #: Since :meth:`take_changes`: groups that may have room again (a VM there became
+        #: available, or left it while down, or joined it available), and VMs whose held events
+        #: are to be decided again (they became unavailable, or left a group: casefolded).
         self._freed: set[Group] = set()
         self._downed: set[str] = set()
         #: Events a VM reported over that another VM, live, still reports running.
@@ -573,14 +574,10 @@ class FleetView:
         if agent is not None and agent is taken.agent_after:
             before = taken.agent
             if before is None or before.identity != agent.identity:
-                if taken.vm in self._down:  # it leaves groups where it counted as down
-                    self._freed.update(self._groups_of(agent.identity))
-                self._leave(taken.vm, agent.identity)
+                self._move(taken.vm, agent.identity, None if before is None else before.identity)
             if before is None:
                 del self._agents[taken.vm]
             else:
-                if before.identity != agent.identity:
-                    self._join(taken.vm, before.identity)
                 _put_agent(agent, before)
         if state is None:
             return
@@ -649,11 +646,10 @@ class FleetView:
             agent = self._agents[key] = AgentState(
                 identity=data.vm, reply_to=data.reply_to, last_seen=at
             )
-            self._join(key, data.vm)
+            self._move(key, None, data.vm)
         elif at >= agent.last_seen:
-            if agent.identity != data.vm:
-                self._leave(key, agent.identity)
-                self._join(key, data.vm)
+            if agent.identity != data.vm:  # a redeploy, a metadata correction
+                self._move(key, agent.identity, data.vm)
             agent.identity = data.vm
             agent.reply_to = data.reply_to
             agent.last_seen = at
@@ -764,9 +760,12 @@ class FleetView:
         return changed
 
     def take_changes(self) -> tuple[set[Group], set[str]]:
-        """Since the last call: the groups where a VM became available again, and the VMs
-        that became unavailable. What a guard holds can change only with these: room freed in
-        a group, or a VM of a held event now down anyway (it costs no more room)."""
+        """Since the last call: the groups that may have room again, and the VMs whose held
+        events are to be decided again. What a guard holds can change only with these: room
+        freed in a group (a VM there became available, a VM down left it, or a VM available
+        joined it: a cap in percent of its VMs allows more), or a VM of a held event that is
+        down now anyway (it costs no more room) or left a group (its events are guarded by its
+        new groups, and no longer count it in the old ones)."""
         freed, self._freed = self._freed, set()
         downed, self._downed = self._downed, set()
         return freed, downed
@@ -787,22 +786,37 @@ class FleetView:
                 members.discard(vm)
         return set(groups)
 
-    def _join(self, vm: str, identity: VmIdentity) -> None:
+    def _move(self, vm: str, before: VmIdentity | None, after: VmIdentity | None) -> None:
+        """VM ``vm`` (casefolded) is in ``after``'s groups now, no longer in ``before``'s
+        (None: in none; its agent is new, or forgotten), and what that frees is reported
+        (:meth:`take_changes`). A group it leaves while down has one VM down fewer: room for
+        the events held there, at once, not at the group's next change (a redeploy moved a VM
+        in maintenance to another scale set or domain, and its old group's held events waited
+        for their NotBefore). A group it joins available may have room under a cap in percent
+        of its VMs; one it joins down has one more VM down (it frees nothing there). And the
+        VM's own held events are decided again when it leaves a group: what held them may have
+        been that group. Costs the groups of one VM."""
+        old, new = self._groups_of(before), self._groups_of(after)
         down = vm in self._down
-        for group in self._groups_of(identity):
-            members = self._members.setdefault(group, set())
-            if vm not in members and not down:
-                # One more VM available in the group: a cap in percent of its VMs may have
-                # room now for an event it holds.
+        left = False
+        for group in old:
+            if group in new:
+                continue
+            left = True
+            _discard(self._members, group, vm)
+            _discard(self._down_members, group, vm)
+            if down:
                 self._freed.add(group)
-            members.add(vm)
+        for group in new:
+            if group in old:
+                continue
+            self._members.setdefault(group, set()).add(vm)
             if down:
                 self._down_members.setdefault(group, set()).add(vm)
-
-    def _leave(self, vm: str, identity: VmIdentity) -> None:
-        for group in self._groups_of(identity):
-            self._members.get(group, set()).discard(vm)
-            self._down_members.get(group, set()).discard(vm)
+            else:
+                self._freed.add(group)
+        if left:
+            self._downed.add(vm)
 
     def members(self, group_by: str, value: object) -> set[str]:
         """The VMs (casefolded names) known to be in a group."""
@@ -886,7 +900,7 @@ class FleetView:
         horizon = moment - self.expiry
         for key, agent in list(self._agents.items()):
             if agent.last_seen < horizon and key not in self._down:
-                self._leave(key, agent.identity)
+                self._move(key, agent.identity, None)
                 del self._agents[key]
         return gone
 
@@ -895,6 +909,16 @@ class FleetView:
         state = self._events.pop(event_id, None)
         if state is not None:
             self._set_down(state, False)
+
+
+def _discard(index: dict[Group, set[str]], group: Group, vm: str) -> None:
+    """Take ``vm`` out of ``group`` in ``index``, and the group out once it has no VM left (a
+    VM sending a new group in every heartbeat must not grow the index)."""
+    members = index.get(group)
+    if members is not None:
+        members.discard(vm)
+        if not members:
+            del index[group]
 
 
 def affected_groups(view: FleetView, vms: Iterable[str]) -> set[Group]:

@@ -162,6 +162,58 @@ def test_an_end_waits_only_for_vms_whose_agents_are_live():
     assert ("fault_domain", 1) in freed  # the approver decides again what a's group held
 
 
+def test_a_vm_down_that_moves_to_another_group_reports_room_in_the_group_it_left():
+    """VM a is down (its event started) in scale set S and fault domain 1; a redeploy moves it
+    to scale set S2, same fault domain. S has one VM down fewer: the change says so, so the
+    approver decides again what S holds. S2 has one more down and fault domain 1 is as it was:
+    no room there. a's own held events are decided again too (its groups changed). Before,
+    the move was reported as no change at all, and what S held waited for S's next change."""
+    view = FleetView(clock=lambda: T0 + timedelta(minutes=2))
+    view.apply(heartbeat(vm("b", scale_set="S", fd=1), at=T0))
+    started = event("EVT-5", resources=("a",), status="Started")
+    view.apply(transition("started", started, vm("a", scale_set="S", fd=1), at=T0))
+    assert view.down_in("scale_set", "S") == {"a"}
+    view.take_changes()
+    view.apply(heartbeat(vm("a", scale_set="S2", fd=1), at=T0 + timedelta(minutes=2)))
+    freed, downed = view.take_changes()
+    assert freed == {("scale_set", "S")}
+    assert downed == {"a"}
+    assert view.down_in("scale_set", "S") == set()
+    assert view.members("scale_set", "S") == {"b"}
+    assert view.down_in("scale_set", "S2") == view.members("scale_set", "S2") == {"a"}
+    assert view.down_in("fault_domain", 1) == {"a"}
+
+
+def test_an_available_vm_that_moves_reports_its_new_group_and_itself():
+    """VM b, available, moves from scale set S to S3: S3 has one more VM available (a cap in
+    percent of it may allow one more down), and b's own held events are decided again: they
+    were held on S, which no longer counts b, and S3 guards them now. Before, b was not
+    reported, and its events stayed held on S (S3's room never reached them). S loses an
+    available VM: no room freed there."""
+    view = FleetView(clock=lambda: T0)
+    view.apply(heartbeat(vm("b", scale_set="S"), at=T0))
+    view.take_changes()
+    view.apply(heartbeat(vm("b", scale_set="S3"), at=T0))
+    assert view.take_changes() == ({("scale_set", "S3")}, {"b"})
+    # Its identity changing in another way (a new vmId) moves it nowhere: nothing to decide.
+    view.apply(heartbeat(vm("b", scale_set="S3").model_copy(update={"vm_id": "new"}), at=T0))
+    assert view.take_changes() == (set(), set())
+
+
+def test_a_vm_sending_a_new_group_in_every_heartbeat_does_not_grow_the_index():
+    """A group a VM leaves and no VM is left in is forgotten: a VM that names a new scale set
+    in each of 5,000 heartbeats costs the view its current one, not 5,000. Before, each left
+    an empty entry behind."""
+    view = FleetView(clock=lambda: T0)
+    view.apply(heartbeat(vm("a", scale_set="S"), at=T0))
+    for n in range(5000):
+        view.apply(heartbeat(vm("b", scale_set=f"made-up-{n}"), at=T0))
+    assert vars(view)["_members"] == {
+        ("scale_set", "S"): {"a"},
+        ("scale_set", "made-up-4999"): {"b"},
+    }
+
+
 def test_a_neighbour_reporting_an_event_that_does_not_hit_it_does_not_keep_it_open():
     """An agent with ``--all-events`` reports its neighbours' events too; it is not one of
     their VMs, so its report does not hold their end."""
