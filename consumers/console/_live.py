@@ -106,6 +106,9 @@ class LiveFleet:
 
     def apply(self, message: LifecycleMessage) -> None:
         state = self.fleet.apply(message)
+        # The view's record of where room was freed is the approver's; kept here, it grew with
+        # every group and VM name messages gave, for the console's life.
+        self.fleet.take_changes()
         if state is not None:
             self.changed_event(state.event_id)
             waiting = self._early.pop(state.event_id, {})
