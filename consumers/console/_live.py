@@ -174,6 +174,7 @@ class LiveFleet:
             self._removed_events.add(event_id)
             for table in (self.decisions, self.actions, self.approvals):
                 table.pop(event_id, None)
+        self.fleet.take_changes()  # the approver's record (see apply)
         after = {a.name.casefold() for a in self.fleet.agents()}
         self._removed_agents |= before - after
         self._changed_agents -= before - after

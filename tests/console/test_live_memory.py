@@ -38,3 +38,5 @@ def test_group_names_vms_give_do_not_pile_up_in_the_consoles_fleet_view() -> Non
     # Before: 4.35 MB (each group name kept in the view's record of freed room); now 4 KB.
     assert kept < 800_000, f"{kept} bytes kept for 20,000 heartbeats"
     assert live.fleet.take_changes() == (set(), set())
+    live.prune(T0 + timedelta(days=30))  # the VM falls silent and leaves its group
+    assert live.fleet.take_changes() == (set(), set())
