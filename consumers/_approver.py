@@ -73,7 +73,7 @@ from ._db import Database, DatabaseError, WriteConflict
 from ._fleet import EventPhase, EventState, FleetView, Group, SentApproval
 from ._origin import Origin
 from ._policies import Action, PolicySet, Verdict
-from ._stream import FleetStream, vm_of
+from ._stream import FleetStream, dependency_unavailable, vm_of
 
 __all__ = ["ApproverService", "Decision"]
 
@@ -366,9 +366,12 @@ class ApproverService:
                 # them with the rest of the batch, so their changes go too.
                 self._staged = _Plan()
                 self._loaded = False
-                raise DatabaseError(
+                # Of the kind of that failure: a database that could not be reached is waited
+                # for (the stream handles the batch again in place), a refusal is not.
+                failure = TransportError if dependency_unavailable(lost) else DatabaseError
+                raise failure(
                     f"a commit outside the stream's failed ({lost}) and took along what "
-                    "messages of this batch changed: not acked; the broker delivers them again"
+                    "messages of this batch changed: not acked; they are handled again"
                 ) from lost
             if self.state is None:
                 await self._commit()

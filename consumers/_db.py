@@ -17,8 +17,12 @@ SQLite work runs on a thread of the database's own, one statement or transaction
 lock), in WAL mode, and a second connection of its own moves the write-ahead log into the
 database file in the background (a commit does not pay for it); PostgreSQL uses a small asyncpg
 pool. Failures are :class:`DatabaseError`
-(with the database's own words), or :class:`~schemas.TransportError` when the server cannot be
-reached. :meth:`Database.write` commits statements that need no result of each other in one go.
+(with the database's own words: a statement refused), or :class:`~schemas.TransportError` when
+the server cannot be reached or cannot serve just now (unreachable, refusing connections, timing
+out, the connection lost, restarting or failing over: :func:`_postgres_failure`), which the
+fleet stream waits out instead of failing the message (see
+:func:`consumers._stream.dependency_unavailable`). :meth:`Database.write` commits statements
+that need no result of each other in one go.
 """
 
 from __future__ import annotations
@@ -478,6 +482,24 @@ def _numbered(sql: str) -> str:
     return _PLACEHOLDER.sub(lambda _: f"${next(counter)}", sql)
 
 
+#: PostgreSQL's answers that say it cannot serve just now, not that it refuses the statement:
+#: shutting down (57P01 admin, 57P02 crash), starting up or recovering (57P03), an idle session
+#: ended (57P05), no connection slot left (53300); with class 08 (the connection failed or is
+#: gone: asyncpg's ``ConnectionDoesNotExistError`` when it drops mid-statement). A restart or a
+#: failover answers these for seconds to a minute.
+_UNAVAILABLE_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "53300"})
+
+
+def _postgres_failure(display: str, exc: Exception) -> RelayError:
+    """An asyncpg failure as ours: :class:`~schemas.TransportError` when the server cannot
+    serve just now (see above), :class:`DatabaseError` when it refused the statement (a
+    constraint, a permission, a serialization failure or a deadlock, a read-only server)."""
+    state = str(getattr(exc, "sqlstate", None) or "")
+    if state.startswith("08") or state in _UNAVAILABLE_STATES:
+        return TransportError(f"PostgreSQL at {display}: {exc}")
+    return DatabaseError(f"{display}: {exc}")
+
+
 def _count(status: str) -> int:
     last = status.rsplit(" ", 1)[-1]
     return int(last) if last.isdigit() else 0
@@ -549,7 +571,7 @@ class PostgresDatabase(Database):
         try:
             rows = await self._require().fetch(_numbered(sql), *args)
         except asyncpg.PostgresError as exc:
-            raise DatabaseError(f"{self.display}: {exc}") from exc
+            raise _postgres_failure(self.display, exc) from exc
         except (OSError, asyncpg.InterfaceError) as exc:
             raise TransportError(f"PostgreSQL at {self.display}: {exc}") from exc
         return [tuple(row) for row in rows]
@@ -562,7 +584,7 @@ class PostgresDatabase(Database):
             async with self._require().acquire() as conn, conn.transaction():
                 yield _PostgresTransaction(conn)
         except asyncpg.PostgresError as exc:
-            raise DatabaseError(f"{self.display}: {exc}") from exc
+            raise _postgres_failure(self.display, exc) from exc
         except (OSError, asyncpg.InterfaceError) as exc:
             raise TransportError(f"PostgreSQL at {self.display}: {exc}") from exc
 

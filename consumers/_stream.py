@@ -22,6 +22,15 @@ handler's :class:`Rejected`). A broker failure while settling never ends the str
 the subscription again and the broker delivers what was not settled once more (the dedupe
 window drops what was handled).
 
+A failure that says a dependency cannot be reached just now (:func:`dependency_unavailable`: a
+database restarting or failing over, a lost link) is not the message's: it is not counted
+against ``max_attempts``, nor given back to the broker (whose count of deliveries would grow
+to its delivery limit, RabbitMQ's ``delivery_limit``, and dead-letter a good message). A handler
+that fails so is called again on the same delivery, in place, after a pause that grows to
+``outage_cap``, for as long as the dependency stays down; a commit (``before_ack``, below) that
+fails so has its batch handled again and committed in place the same way. One line is logged
+when the waiting starts, one when it ends.
+
 A handler whose work must be durable before its message is acked can do that work for a whole
 batch at once: ``before_ack`` is awaited before the handled messages waiting for their ack are
 acked (and remembered as handled), so one commit serves up to ``ack_batch`` messages instead of
@@ -36,7 +45,11 @@ is flushed when it is full, when the stream has nothing more to read (``ack_inte
 last message handled), or when its first message has waited ``ack_max_delay`` behind a backlog;
 so under a burst each commit serves a full batch, and a lone message is committed at once. When
 it fails, they are neither acked nor remembered: the subscription is opened again and the broker
-delivers them once more. A stop lets a commit under way finish and ack its batch, for at most
+delivers them once more. A commit that fails because a dependency is unavailable costs no
+delivery instead: the deliveries not acked since are kept, and once the pause is over they are
+handled again, in order, as if the broker delivered them once more (the dedupe window drops what
+a later commit stored, ``recall`` is asked about each), and committed then. A stop lets a commit
+under way finish and ack its batch, for at most
 ``stop_grace`` seconds (a database that stopped answering does not hold the stop for ever).
 
 A consumer group scales out by running more processes on the same group name: the broker shares
@@ -52,6 +65,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -62,6 +76,7 @@ from schemas import (
     LifecycleMessage,
     MessageType,
     NewerMessage,
+    PublishNotConfirmed,
     RelayError,
     SchemaError,
     TransportError,
@@ -79,7 +94,14 @@ from ._dedupe import DedupeWindow
 from ._filters import MessageFilter
 from ._origin import Origin, Unauthenticated, authenticate
 
-__all__ = ["DeadLetterReason", "FleetStream", "Rejected", "StreamStats", "classify_bad_input"]
+__all__ = [
+    "DeadLetterReason",
+    "FleetStream",
+    "Rejected",
+    "StreamStats",
+    "classify_bad_input",
+    "dependency_unavailable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +112,9 @@ H = TypeVar("H", bound=Handler)
 
 #: Longest pause before the subscription is opened again after a broker failure.
 _REOPEN_CAP = 5.0
+#: Longest pause between two tries of something whose dependency is unavailable (the default
+#: of ``outage_cap``): a PostgreSQL restart or failover takes 10-60 s.
+OUTAGE_CAP = 30.0
 #: Unknown message types warned about one by one; past them, one warning says the rest are not.
 _WARNED_TYPES = 20
 
@@ -117,6 +142,17 @@ class Rejected(RelayError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+def dependency_unavailable(error: BaseException) -> bool:
+    """Whether ``error`` says a dependency cannot be reached just now, rather than that this
+    message cannot be handled: a :class:`ConnectionError`, of which :class:`~schemas.TransportError`
+    is one (what :mod:`consumers._db` raises when the database is unreachable, refuses
+    connections, times out or is restarting; what a transport raises for a lost link), except
+    :class:`~schemas.PublishNotConfirmed` (the broker refused one message). A database's refusal
+    of a statement (:class:`~consumers._db.DatabaseError`: a constraint, a write conflict,
+    another process's takeover) and every other error are the handler's own."""
+    return isinstance(error, ConnectionError) and not isinstance(error, PublishNotConfirmed)
 
 
 def classify_bad_input(raw: bytes, error: SchemaError) -> DeadLetterReason:
@@ -174,6 +210,9 @@ class StreamStats:
     #: Redeliveries the window did not know that ``recall`` found handled (by another process
     #: of the group, say): counted in duplicates (or conflicts) too.
     recalled: int = 0
+    #: Pauses before trying again in place what failed because a dependency was unavailable
+    #: (a handler on its message, a commit on its batch): one per try.
+    waited: int = 0
 
 
 @dataclass(slots=True)
@@ -184,6 +223,16 @@ class _Step:
     deliveries: list[Delivery]
     handled: dict[_Key, str]
     commit: asyncio.Future[None] | None
+
+
+@dataclass(slots=True)
+class _Outage:
+    """A dependency found unavailable by a handler or a commit: since when, and the pauses
+    between the tries in place (growing to ``outage_cap``)."""
+
+    since: float
+    backoff: Backoff
+    tries: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +257,15 @@ class FleetStream:
     first must not fill every older consumer's dead-letter queue; a sender inventing types
     must not fill the log). A type name no version writes is dead-lettered ``unknown-type``.
     ``max_attempts``: how many times a handler may fail on one message before it is
-    dead-lettered (``handler-failed``). ``dedupe``: the window of ids
+    dead-lettered (``handler-failed``); a failure that says a dependency is unavailable does not
+    count. A handler says "my dependency is down, not this message is bad" by raising a
+    :class:`ConnectionError`: :class:`~schemas.TransportError`, say (``raise
+    TransportError("orders API unreachable") from exc``), what :mod:`consumers._db` raises for
+    a database it cannot reach (see :func:`dependency_unavailable`). The stream then keeps the
+    delivery (not requeued: the broker's count of deliveries does not grow) and calls the
+    handlers again on it after a pause that grows from ``retry_delay`` to ``outage_cap``
+    seconds, for as long as that failure repeats; ``before_ack`` may raise it too (its batch is
+    then handled again and committed in place). ``dedupe``: the window of ids
     already handled. ``transient``: read a copy of the stream that exists only while this stream
     is open (see :meth:`~schemas.transport.Transport.subscribe`). ``before_ack``: awaited
     before handled messages are acked (see the module docstring). ``stop_grace``: how long a
@@ -243,6 +300,7 @@ class FleetStream:
         stop_grace: float = 10.0,
         recall: Callable[[Admitted], Awaitable[str | None]] | None = None,
         pipeline: bool = False,
+        outage_cap: float = OUTAGE_CAP,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -263,6 +321,8 @@ class FleetStream:
         self.stop_grace = stop_grace
         self.recall = recall
         self.pipeline = pipeline
+        #: Longest pause between two tries in place while a dependency is unavailable.
+        self.outage_cap = outage_cap
         # Where the transport can ack many deliveries in one frame (or before_ack commits),
         # handled messages are acked in batches of up to ack_batch: ack_interval seconds after
         # the stream ran out of messages to read, or ack_max_delay after the batch's first.
@@ -277,9 +337,24 @@ class FleetStream:
         self._unremembered: dict[_Key, str] = {}
         #: With ``pipeline``: the batch whose before_ack is under way.
         self._inflight: _Step | None = None
-        #: A before_ack failed since the subscription was opened: nothing more is acked on it
-        #: (an ack through a later delivery would ack the failed batch's too).
+        #: A before_ack failed since the subscription was opened (or since the deliveries kept
+        #: were given to the handlers again): nothing more is acked on it (an ack through a
+        #: later delivery would ack the failed batch's too).
         self._commit_failed = False
+        #: A before_ack failed because a dependency is unavailable: the deliveries not acked
+        #: since are kept (``_held``, in the order received) to be handled again in place
+        #: (``_redeliver``) after ``_replay_pause``, instead of given back to the broker.
+        self._replay_due = False
+        self._replay_pause = 0.0
+        self._held: list[Delivery] = []
+        self._redeliver: deque[Delivery] = deque()
+        #: The delivery last handed out again from ``_redeliver`` (``recall`` is asked about it).
+        self._replayed: Delivery | None = None
+        #: Commits failing because a dependency is unavailable, since the last one that worked.
+        self._commit_outage: _Outage | None = None
+        #: The pause in place under way, which :meth:`stop` ends.
+        self._pausing: asyncio.Future[None] | None = None
+        self._closing = False
         #: One flush at a time: an ack through a later delivery must not overtake a batch
         #: still waiting for before_ack.
         self._flushing = asyncio.Lock()
@@ -352,11 +427,13 @@ class FleetStream:
         self._iterator = aiter(subscription)
         self._broken = False
         self._commit_failed = False
+        self._closing = False
 
     async def close(self, *, handled: bool = True) -> None:
         """Stop. The message the iteration returned last is acked when ``handled``, otherwise
         it goes back to the queue; unsettled deliveries return to the broker."""
         current, self._current = self._current, None
+        self._closing = True  # what a commit fails now goes back to the broker
         try:
             async with asyncio.timeout(self.stop_grace):
                 if current is not None:
@@ -388,6 +465,11 @@ class FleetStream:
             handled, self._unremembered = self._unremembered, {}
             await self._complete(_Step([], handled, await self._begin(handled)), ack=False)
             self._unacked.clear()
+            # Kept to be handled again: the broker delivers them again instead.
+            self._held.clear()
+            self._redeliver.clear()
+            self._replay_due = False
+            self._replayed = None
         if subscription is not None:
             try:
                 await subscription.close()
@@ -421,11 +503,17 @@ class FleetStream:
             and not self._unacked
             and not self._unremembered
             and self._inflight is None
+            and not self._held
+            and not self._redeliver
+            and not self._replay_due
         )
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after the message in hand (at once when idle)."""
         self._stopping = True
+        pausing = self._pausing
+        if pausing is not None and not pausing.done():
+            pausing.set_result(None)  # a pause in place: the message stays with the broker
         if self._waiting:
             self._wake()
 
@@ -441,7 +529,9 @@ class FleetStream:
 
     async def _receive(self) -> Delivery:
         """The next delivery; after a broker failure (here or while settling) the subscription
-        is opened again, with a capped, jittered pause, for as long as it takes."""
+        is opened again, with a capped, jittered pause, for as long as it takes. After a commit
+        that failed because a dependency is unavailable, the deliveries kept are handed out
+        again first (:meth:`_replay`)."""
         while True:
             if self._broken or self._iterator is None:
                 if self._subscription is None and self._iterator is None and not self._broken:
@@ -450,6 +540,12 @@ class FleetStream:
                     )
                 await self._reconnect()
                 continue
+            if self._replay_due:
+                await self._replay()
+                continue
+            if self._redeliver:
+                delivery = self._replayed = self._redeliver.popleft()
+                return delivery
             try:
                 self._receiving = True
                 delivery = await anext(self._iterator)
@@ -463,6 +559,34 @@ class FleetStream:
                 self._receiving = False
             self._reopen.reset()
             return delivery
+
+    async def _replay(self) -> None:
+        """A commit failed because a dependency is unavailable: keep every delivery not acked
+        since (what is handled but not committed is committed first, as when the subscription
+        closes, so a later commit that works makes those duplicates), pause, then hand them
+        out again in the order received, before anything new. The broker keeps them meanwhile
+        as delivered once: its count does not grow, as it would were the subscription opened
+        again (RabbitMQ's quorum queues count every return, and dead-letter at the limit)."""
+        async with self._flushing:
+            previous, self._inflight = self._inflight, None
+            if previous is not None:
+                await self._complete(previous)
+            handled, self._unremembered = self._unremembered, {}
+            batch, self._unacked = self._unacked, []
+            self._batch_began = None
+            await self._complete(_Step(batch, handled, await self._begin(handled)))
+        if self._broken:
+            return  # a failure of another kind: the broker delivers them all again
+        self._replay_due = False
+        if self._commit_outage is not None:  # still failing (not back since): pause first
+            await self._pause(self._replay_pause)
+        if self._broken or self._stopping:
+            return
+        # Every delivery not acked on this subscription is handed out again, in order, before
+        # anything new: acks through a later one are safe again.
+        self._redeliver = deque([*self._held, *self._redeliver])
+        self._held.clear()
+        self._commit_failed = False
 
     async def _reconnect(self) -> None:
         await self._drop_subscription()
@@ -561,16 +685,98 @@ class FleetStream:
         else:
             handlers = [r.handler for r in self._routes if r.all or r.filter.matches(admitted)]
         self.current_delivery = delivery
-        try:
-            for handler in handlers:
-                await handler(admitted)
-        except Rejected as rejected:
-            await self._dead_letter(delivery, rejected.reason, rejected.detail)
-            return
-        except Exception as exc:  # a handler's failure: retried, then dead-lettered
-            await self._failed(delivery, admitted, exc)
-            return
+        outage: _Outage | None = None
+        while True:
+            try:
+                for handler in handlers:
+                    await handler(admitted)
+            except Rejected as rejected:
+                self._recovered(outage, _what(admitted))
+                await self._dead_letter(delivery, rejected.reason, rejected.detail)
+                return
+            except Exception as exc:
+                if not dependency_unavailable(exc):  # the handler's: retried, then dead-lettered
+                    self._recovered(outage, _what(admitted))
+                    await self._failed(delivery, admitted, exc)
+                    return
+                # Not the message's: tried again in place, the delivery kept.
+                outage, pause = self._outage(
+                    outage,
+                    _what(admitted),
+                    exc,
+                    "the message is kept (not requeued) and its handlers called again in place",
+                )
+                await self._pause(pause)
+                if self._stopping:
+                    log.info(
+                        "group %s: stopping while %s waits for its dependency: left with the "
+                        "broker, which delivers it again",
+                        self.group,
+                        _what(admitted),
+                    )
+                    return
+                continue
+            break
+        self._recovered(outage, _what(admitted))
         await self._handled(delivery, admitted, batch=batch)
+
+    def _outage(
+        self, outage: _Outage | None, what: str, error: BaseException, kept: str
+    ) -> tuple[_Outage, float]:
+        """The outage ``what`` met (new when None) and the pause before its next try: logged
+        when the outage begins, not at each try."""
+        if outage is None:
+            cap = max(self.retry_delay, self.outage_cap)
+            outage = _Outage(time.monotonic(), Backoff(self.retry_delay, cap))
+        pause = outage.backoff.next()
+        outage.tries += 1
+        self.stats.waited += 1
+        if outage.tries == 1:
+            log.warning(
+                "group %s: %s failed because a dependency is unavailable (%s: %s): %s; next "
+                "try in %.2g s, then less and less often (at most every %g s) for as long as "
+                "it fails so, said again only when it works",
+                self.group,
+                what,
+                type(error).__name__,
+                str(error)[:300],
+                kept,
+                pause,
+                outage.backoff.cap,
+            )
+        else:
+            log.debug(
+                "group %s: %s still failing (%s); next try in %.1f s",
+                self.group,
+                what,
+                error,
+                pause,
+            )
+        return outage, pause
+
+    def _recovered(self, outage: _Outage | None, what: str) -> None:
+        if outage is not None:
+            log.info(
+                "group %s: %s works again after %.1f s waiting for its dependency (%d tries "
+                "in place)",
+                self.group,
+                what,
+                time.monotonic() - outage.since,
+                outage.tries + 1,
+            )
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait ``seconds``, or until :meth:`stop`."""
+        if self._stopping:
+            return
+        loop = asyncio.get_running_loop()
+        pausing = self._pausing = loop.create_future()
+        timer = loop.call_later(seconds, _resolve, pausing)
+        try:
+            await pausing
+        finally:
+            timer.cancel()
+            self._pausing = None
 
     # ------------------------------------------------------------------------------ admitting
 
@@ -639,8 +845,12 @@ class FleetStream:
                 await self._flush()
                 if self._broken:
                     return None  # the batch was not acked: this one comes back with it
+                if self._replay_due:  # kept to be handled again: this one too, after it
+                    self._held.append(delivery)
+                    return None
                 seen = self.dedupe.get(key)
-        if seen is None and self.recall is not None and delivery.delivery_count > 0:
+        replayed = delivery is self._replayed
+        if seen is None and self.recall is not None and (delivery.delivery_count > 0 or replayed):
             seen = await self._recall(message)
             if seen is not None:
                 self.stats.recalled += 1
@@ -768,12 +978,27 @@ class FleetStream:
 
     async def _complete(self, step: _Step, *, ack: bool = True) -> None:
         """Wait for ``step``'s commit, then remember its messages and ack them. When the
-        commit failed, nothing is remembered and the subscription is opened again (the broker
-        delivers them again); after that, what is committed is remembered but not acked."""
+        commit failed, nothing is remembered and nothing more is acked on the subscription:
+        because a dependency is unavailable, they are kept and handled again in place
+        (:meth:`_keep`), with every delivery after them; otherwise the subscription is opened
+        again (the broker delivers them again). What is committed after that is remembered
+        but not acked."""
         if step.commit is not None:
             try:
                 await step.commit
-            except Exception as exc:  # its messages come back: the broker delivers them again
+            except Exception as exc:
+                self._commit_failed = True
+                if ack and step.deliveries and not (self._broken or self._closing):
+                    if self._replay_due:
+                        # After one that failed because a dependency is unavailable (and, in a
+                        # pipeline, for that: the approver's next commit expects what it did
+                        # not write): handled again with it.
+                        self._held += step.deliveries
+                        return
+                    if dependency_unavailable(exc):
+                        self._keep(step, exc)
+                        return
+                # Its messages come back: the broker delivers them again.
                 log.error(
                     "group %s: committing %d handled message(s) failed (%s): not acked; the "
                     "subscription is opened again and the broker delivers them again",
@@ -783,11 +1008,17 @@ class FleetStream:
                     # Ours say what happened (a database's refusal, a takeover): no traceback.
                     exc_info=None if isinstance(exc, RelayError) else exc,
                 )
-                self._commit_failed = self._broken = True
+                self._broken = True
                 return
+        if step.handled and self._commit_outage is not None:
+            self._recovered(self._commit_outage, "committing handled messages")
+            self._commit_outage = None
         for key, digest in step.handled.items():
             self.dedupe.add(key, digest)
         batch = step.deliveries
+        if ack and batch and self._commit_failed and not (self._broken or self._closing):
+            self._held += batch  # stored: acked as duplicates when handed out again
+            return
         if not ack or not batch or self._commit_failed or self._broken:
             return
         last = batch[-1]
@@ -797,6 +1028,19 @@ class FleetStream:
         for delivery in batch:
             if not await self._settle(delivery.ack(), delivery):
                 return
+
+    def _keep(self, step: _Step, error: BaseException) -> None:
+        """``step``'s commit failed because a dependency is unavailable: its deliveries, and
+        every one not acked after them, are handled again in place (:meth:`_replay`)."""
+        self._held += step.deliveries
+        self._replay_due = True
+        self._commit_outage, self._replay_pause = self._outage(
+            self._commit_outage,
+            f"committing {len(step.handled)} handled message(s)",
+            error,
+            "they are kept (not acked, not given back to the broker), to be handled again and "
+            "committed in place",
+        )
 
     async def _flush(self, *, wait: bool = True) -> None:
         """Ack every handled delivery waiting for its batch (in one frame where the transport
@@ -833,7 +1077,7 @@ class FleetStream:
             # ack its batch (close() waits for it) instead of cutting it off half done.
             self._background_flush = flush
             await asyncio.shield(flush)
-            if self._broken and self._receiving and self._waiting:
+            if (self._broken or self._replay_due) and self._receiving and self._waiting:
                 self._wake()
 
     async def _ack_inflight(self) -> None:
@@ -883,6 +1127,15 @@ class FleetStream:
         backoff.attempt = attempt - 1
         await asyncio.sleep(backoff.next())
         await self._settle(delivery.retry(), delivery)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _what(message: Admitted) -> str:
+    return f"message {message.id} ({message.type.rsplit('.', 1)[-1]})"
 
 
 def _done(step: _Step) -> bool:
