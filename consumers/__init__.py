@@ -25,7 +25,14 @@ from ._policies import (
     load_policy_file,
     parse_policy,
 )
-from ._stream import DeadLetterReason, FleetStream, Rejected, StreamStats, classify_bad_input
+from ._stream import (
+    DeadLetterReason,
+    FleetStream,
+    Rejected,
+    StreamStats,
+    classify_bad_input,
+    dependency_unavailable,
+)
 
 __all__ = [
     "Action",
@@ -54,6 +61,7 @@ __all__ = [
     "Verdict",
     "VmReport",
     "classify_bad_input",
+    "dependency_unavailable",
     "load_policy_file",
     "parse_policy",
 ]
