@@ -31,13 +31,15 @@ round trip.
 
 Per message, the work does not grow with the number of open events: the message's own event is
 decided again, and, when it changes who is unavailable, only the events a guard holds that the
-change can release (:meth:`FleetView.take_changes`): where a VM became available in a group,
-the events held there, in the order they were first held, until the group has no room left
-(:meth:`PolicySet.room`); where a VM became unavailable, the held events of that VM (it costs
-them no room any more). A VM going down never releases anything else, so nothing else is
-decided again. Over a burst this is a queue per group: a freed slot goes to the longest-held
-event that fits, and an event that needs no room (its VMs are down already) is released by the
-change that put them down, or by the next one that leaves room.
+change can release (:meth:`FleetView.take_changes`): where a group has room again (a VM there
+became available, a VM down left it, an available one joined it under a percent cap), the
+events held there, in the order they were first held, until the group has no room left
+(:meth:`PolicySet.room`); where a VM became unavailable or left a group, the held events of
+that VM (being down costs them no room any more; moved, they are guarded by its new groups). A
+VM going down never releases anything else, so nothing else is decided again. Over a burst
+this is a queue per group: a freed slot goes to the longest-held event that fits, and an event
+that needs no room (its VMs are down already) is released by the change that put them down, or
+by the next one that leaves room.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ class _Plan:
 class _Owed:
     """What handling that failed part way left undecided (:meth:`ApproverService._owe`): events
     to decide about again, in order, and the changes of who is unavailable whose held events
-    are to be decided again (groups where a VM became available, VMs that became unavailable)."""
+    are to be decided again (groups with room again, VMs that became unavailable or moved)."""
 
     events: dict[str, None] = field(default_factory=dict)
     freed: set[Group] = field(default_factory=set)
