@@ -691,12 +691,14 @@ class FleetStream:
                 for handler in handlers:
                     await handler(admitted)
             except Rejected as rejected:
-                self._recovered(outage, _what(admitted))
+                if outage is not None:
+                    self._recovered(outage, _what(admitted))
                 await self._dead_letter(delivery, rejected.reason, rejected.detail)
                 return
             except Exception as exc:
                 if not dependency_unavailable(exc):  # the handler's: retried, then dead-lettered
-                    self._recovered(outage, _what(admitted))
+                    if outage is not None:
+                        self._recovered(outage, _what(admitted))
                     await self._failed(delivery, admitted, exc)
                     return
                 # Not the message's: tried again in place, the delivery kept.
@@ -717,7 +719,8 @@ class FleetStream:
                     return
                 continue
             break
-        self._recovered(outage, _what(admitted))
+        if outage is not None:
+            self._recovered(outage, _what(admitted))
         await self._handled(delivery, admitted, batch=batch)
 
     def _outage(
