@@ -1060,6 +1060,8 @@ class ApproverService:
         """Releases of holds and the end of a resting VM's pause take effect without waiting
         for the next message. With a database, only the process that wrote last acts (the
         active one: a standby receives nothing)."""
+        failing_since: float | None = None  # housekeeping's dependency unavailable since
+        said = 0.0
         while True:
             await asyncio.sleep(HOUSEKEEPING_SECONDS)
             try:
@@ -1092,6 +1094,27 @@ class ApproverService:
                         log.info("%s: trying again a VM that could not reach IMDS", event_id)
                         await self.evaluate(state)
             except TransportError as exc:
-                log.warning("approver housekeeping failed (%s); trying again", exc)
+                # A database or broker outage: said when it begins and once a minute, not at
+                # every try (once a second, for as long as a restart or failover takes).
+                moment = time.monotonic()
+                if failing_since is None or moment - said >= 60.0:
+                    log.warning(
+                        "approver housekeeping failed (%s); trying again every %g s%s",
+                        exc,
+                        HOUSEKEEPING_SECONDS,
+                        ""
+                        if failing_since is None
+                        else f", failing for {moment - failing_since:.0f} s",
+                    )
+                    said = moment
+                if failing_since is None:
+                    failing_since = moment
             except Exception:
                 log.exception("approver housekeeping failed; trying again in a second")
+            else:
+                if failing_since is not None:
+                    log.info(
+                        "approver housekeeping works again after %.0f s",
+                        time.monotonic() - failing_since,
+                    )
+                    failing_since = None

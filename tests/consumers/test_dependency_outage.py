@@ -84,7 +84,7 @@ def _cap_one_per_scale_set() -> Any:
 @pytest.mark.rabbitmq
 @pytest.mark.postgres
 async def test_a_database_outage_dead_letters_nothing_and_every_message_counts(
-    amqp_url: str, postgres_url: str, unique: str
+    amqp_url: str, postgres_url: str, unique: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The approver and the audit, their database (one scratch PostgreSQL database) reached
     through a TCP proxy, on the real RabbitMQ. Scale sets S1 (web-1, web-2) and S2 (web-3,
@@ -96,7 +96,10 @@ async def test_a_database_outage_dead_letters_nothing_and_every_message_counts(
     and was dead-lettered ``handler-failed``: EVT-B and EVT-D were never approved (the
     ``completed`` that frees their group lost too), and the audit's ledger missed them. Now
     nothing is dead-lettered (neither by the services nor by the broker's delivery limit),
-    EVT-B and EVT-D are approved once each, and the ledger holds every message once."""
+    EVT-B and EVT-D are approved once each, and the ledger holds every message once. The
+    approver's housekeeping says the outage when it begins (it said it at every try, once a
+    second) and when it is over."""
+    caplog.set_level(logging.INFO, logger="consumers._approver")
     started = time.monotonic()
     channels = ChannelNames().suffixed(unique)
     names = ["web-1", "web-2", "web-3", "web-4"]
@@ -242,6 +245,9 @@ async def test_a_database_outage_dead_letters_nothing_and_every_message_counts(
     )
     assert recovered
     assert took < 60
+    said = [r.getMessage() for r in caplog.records if r.name == "consumers._approver"]
+    assert len([m for m in said if m.startswith("approver housekeeping failed")]) == 1, said
+    assert [m for m in said if m.startswith("approver housekeeping works again")], said
 
 
 @pytest.mark.rabbitmq
