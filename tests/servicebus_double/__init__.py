@@ -12,6 +12,10 @@ Usage::
 
 or standalone: ``python -m tests.servicebus_double --port 0 --queue orders``.
 
+Like Service Bus Standard, it advertises a max message size of 262,144 bytes on the links
+clients send on and refuses a larger message (the SDK raises ``MessageSizeExceededError``):
+``max_message_size`` sets another (Premium: up to 100 MB; 0: no limit).
+
 ``usage()`` says how many connections and entity links the clients hold (now, at peak, and on
 average since ``restart_usage()``), to measure a client against the namespace's quotas.
 """
@@ -30,11 +34,18 @@ from typing import Any
 from proton._io import IO
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
-from ._amqp_server import ServiceBusHandler
+from ._amqp_server import STANDARD_MAX_MESSAGE_SIZE, ServiceBusHandler
 from ._broker import EntityOptions, Namespace
 from ._usage import Reading, Usage
 
-__all__ = ["EntityOptions", "Namespace", "Reading", "ServiceBusDouble", "Usage"]
+__all__ = [
+    "STANDARD_MAX_MESSAGE_SIZE",
+    "EntityOptions",
+    "Namespace",
+    "Reading",
+    "ServiceBusDouble",
+    "Usage",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -90,6 +101,9 @@ class ServiceBusDouble:
     ``queues`` and ``session_queues`` are queue names; ``topics`` maps a topic to its
     subscriptions and ``session_topics`` to its session-enabled subscriptions. ``options``
     applies to every entity (lock duration, max delivery count, duplicate detection window).
+    ``max_message_size`` is the largest message (encoded: body, properties and annotations)
+    the entities take, advertised on the links clients send on: Standard's 262,144 bytes
+    unless told otherwise (Premium: up to 100 MB; 0: no limit).
     """
 
     def __init__(
@@ -102,7 +116,12 @@ class ServiceBusDouble:
         options: EntityOptions | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        max_message_size: int = STANDARD_MAX_MESSAGE_SIZE,
     ) -> None:
+        if max_message_size < 0:
+            raise ValueError(
+                f"max_message_size must be 0 (no limit) or more, not {max_message_size}"
+            )
         self.options = options or EntityOptions()
         self.namespace = Namespace()
         for name in queues:
@@ -118,7 +137,10 @@ class ServiceBusDouble:
                 session_subscriptions=(session_topics or {}).get(name, ()),
             )
         self.host = host
-        self._handler = ServiceBusHandler(self.namespace, host, port)
+        self.max_message_size = max_message_size
+        self._handler = ServiceBusHandler(
+            self.namespace, host, port, max_message_size=max_message_size
+        )
         self._container: Container | None = None
         self._injector: EventInjector | None = None
         self._thread: threading.Thread | None = None

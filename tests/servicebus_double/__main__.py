@@ -21,7 +21,7 @@ import threading
 from dataclasses import asdict
 from types import FrameType
 
-from . import EntityOptions, ServiceBusDouble
+from . import STANDARD_MAX_MESSAGE_SIZE, EntityOptions, ServiceBusDouble
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -61,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="0 turns duplicate detection off",
     )
     parser.add_argument(
+        "--max-message-size",
+        type=int,
+        default=STANDARD_MAX_MESSAGE_SIZE,
+        metavar="BYTES",
+        help="the largest message the entities take (default: Standard's; 0: no limit)",
+    )
+    parser.add_argument(
         "--control",
         action="store_true",
         help="answer 'usage' and 'restart-usage' lines on stdin; stop at the end of stdin",
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         options=options,
         host=args.host,
         port=args.port,
+        max_message_size=args.max_message_size,
     )
     stop = threading.Event()
 

@@ -13,7 +13,15 @@ found by reading its ``_pyamqp`` sources and trying:
 - ``com.microsoft:session-filter`` on the source for session receivers, echoed with the
   session id the receiver got;
 - ``<entity>/$management``: lock renewal, session lock and state, peek, update-disposition
-  and receive-by-sequence-number.
+  and receive-by-sequence-number;
+- a max message size on the links clients send on (the attach's ``max-message-size``:
+  262,144 bytes on Standard, up to 100 MB on Premium), which the SDK reads when its sender
+  opens. The SDK does not check a single message against it before sending (only a batch
+  it builds); Service Bus refuses a larger message when it arrives: the transfer is settled
+  ``rejected`` with ``amqp:link:message-size-exceeded`` ("The received message (delivery-id:0,
+  size:262412 bytes) exceeds the limit (262144 bytes) currently allowed on the link."), which
+  the SDK raises as ``MessageSizeExceededError`` (not retried). The size is the encoded
+  message as transferred: body, properties and annotations. The double does the same.
 
 ``usage`` counts the connections and entity links the clients hold (see ``_usage``).
 """
@@ -66,13 +74,22 @@ _LOGGER = logging.getLogger(__name__)
 SESSION_FILTER = symbol("com.microsoft:session-filter")
 SESSION_LOCKED_UNTIL = symbol("com.microsoft:locked-until-utc")
 OPERATION_TIMEOUT = symbol("com.microsoft:timeout")
+TRACKING_ID = symbol("com.microsoft:tracking-id")
 TIMEOUT_CONDITION = "com.microsoft:timeout"
 DATETIMEOFFSET_EPOCH = 621355968000000000  # .NET ticks at the Unix epoch
 DEFAULT_SESSION_WAIT = 60.0
 TICK_SECONDS = 0.05
 RECEIVER_CREDIT = 100
+#: Service Bus Standard's max message size, advertised on the links clients send on.
+STANDARD_MAX_MESSAGE_SIZE = 256 * 1024
 STOP_GRACE_SECONDS = 2.0
 LISTEN_BACKLOG = 1024
+
+
+class MessageSizeExceeded(BrokerError):
+    """A message over the link's max message size (see the module's docstring)."""
+
+    condition = "amqp:link:message-size-exceeded"
 
 
 class _ForceStop:
@@ -146,9 +163,18 @@ def _uuid(value: Any) -> uuid.UUID:
 class ServiceBusHandler(Handler):
     """Serves the Service Bus wire protocol for one ``Namespace``."""
 
-    def __init__(self, namespace: Namespace, host: str, port: int) -> None:
+    def __init__(
+        self,
+        namespace: Namespace,
+        host: str,
+        port: int,
+        *,
+        max_message_size: int = STANDARD_MAX_MESSAGE_SIZE,
+    ) -> None:
         super().__init__()
         self.namespace = namespace
+        #: The largest message (encoded, as transferred) an entity takes; 0: no limit.
+        self.max_message_size = max_message_size
         self._host = host
         self._requested_port = port
         self.port: int | None = None
@@ -369,6 +395,8 @@ class ServiceBusHandler(Handler):
             locked_until = self.namespace.session_locked_until(state.path, state.session_id)
             if locked_until is not None:
                 link.properties = {SESSION_LOCKED_UNTIL: _ticks(locked_until)}
+        if state.kind is _Kind.ENTITY and link.is_receiver:
+            link.max_message_size = self.max_message_size  # the attach's max-message-size
         link.open()
         if state.kind is _Kind.ENTITY and not state.counted:
             state.counted = True
@@ -548,13 +576,23 @@ class ServiceBusHandler(Handler):
             self._reply(link, self._management(state, request), request.reply_to)
         else:
             try:
+                if 0 < self.max_message_size < len(payload):
+                    raise MessageSizeExceeded(
+                        f"The received message (size:{len(payload)} bytes) exceeds the limit "
+                        f"({self.max_message_size} bytes) currently allowed on the link."
+                    )
                 messages = [_incoming_message(p) for p in _codec.unbatch(payload)]
                 self.namespace.send(state.path, messages)
                 destinations = self.namespace.destination_paths(state.path)
             except (BrokerError, _codec.SectionError) as exc:
                 condition = getattr(exc, "condition", "amqp:decode-error")
                 _LOGGER.info("rejecting a message on %s: %s", state.path, exc)
-                delivery.local.condition = Condition(condition, str(exc))
+                # With an info map: proton leaves out an error's trailing null fields, and
+                # the SDK reads a rejected send's error as [condition, description, info]
+                # (an IndexError in its callback, and the send waited out its timeout).
+                delivery.local.condition = Condition(
+                    condition, str(exc), {TRACKING_ID: str(uuid.uuid4())}
+                )
                 delivery.update(Disposition.REJECTED)
                 delivery.settle()
                 return
