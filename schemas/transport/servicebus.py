@@ -56,11 +56,17 @@ Application properties keep their types both ways. The SDK sends bytes values as
 decodes them as UTF-8) and receives text as bytes, so bytes values travel base64-encoded and
 named in the property ``relay:binary`` (a JSON list), which the receiving side removes.
 
-Other facts of the SDK this design follows: Standard tier caps a message at 256 KB; sessions
-need Standard or Premium; ``message_id`` is random unless set. Service Bus entities are not
-created over AMQP: create the topic, its subscriptions and the session-enabled queue beforehand
-(the README has the az CLI commands). A missing entity is a :class:`~schemas.ConfigError` that
-says which one.
+A message Service Bus will never take is :class:`~schemas.MessageRefused` (its sender sets it
+aside rather than sending it again for ever): a body over Standard's 256 KiB (the contract's
+cap; not sent on any tier); a whole message (body, properties and annotations) over the
+entity's max message size, which Service Bus refuses as it arrives (Standard: 262,144 bytes;
+the SDK's ``MessageSizeExceededError``); an id or a session id over 128 characters, which the
+SDK refuses to build.
+
+Other facts of the SDK this design follows: sessions need Standard or Premium; ``message_id``
+is random unless set. Service Bus entities are not created over AMQP: create the topic, its
+subscriptions and the session-enabled queue beforehand (the README has the az CLI commands). A
+missing entity is a :class:`~schemas.ConfigError` that says which one.
 """
 
 from __future__ import annotations
@@ -102,7 +108,7 @@ from azure.servicebus.exceptions import (
 )
 
 from .._backoff import Backoff
-from .._errors import ConfigError, PublishNotConfirmed, TransportError
+from .._errors import ConfigError, MessageRefused, PublishNotConfirmed, TransportError
 from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
 from ..origin import KEY as ORIGIN_KEY
 from . import redact
@@ -364,10 +370,13 @@ def _message_id(broker_id: str, properties: Mapping[str, PropertyValue]) -> str:
 
 
 def _outgoing(message: OutgoingMessage, *, session_id: str) -> ServiceBusMessage:
+    """The SDK's message, or :class:`MessageRefused` for one Service Bus will never take: a
+    body over Standard's cap (the contract's too), or a field the SDK refuses (an id or a
+    session id over 128 characters: a VM name may have up to 200)."""
     if len(message.body) > MAX_MESSAGE_BYTES:
-        raise PublishNotConfirmed(
+        raise MessageRefused(
             f"message {message.message_id} has {len(message.body)} bytes; Service Bus "
-            f"Standard takes at most {MAX_MESSAGE_BYTES}"
+            f"Standard takes at most {MAX_MESSAGE_BYTES}: it is never sent"
         )
     # The SDK sends whole seconds (a TTL under 1 s would mean "never expires"): round up.
     ttl = (
@@ -375,15 +384,21 @@ def _outgoing(message: OutgoingMessage, *, session_id: str) -> ServiceBusMessage
         if message.ttl_seconds is None
         else timedelta(seconds=max(1, math.ceil(message.ttl_seconds)))
     )
-    return ServiceBusMessage(
-        message.body,
-        message_id=_broker_id(message),
-        content_type=message.content_type,
-        subject=message.routing_key or None,
-        application_properties=_outgoing_properties(message.properties),
-        session_id=session_id,
-        time_to_live=ttl,
-    )
+    try:
+        return ServiceBusMessage(
+            message.body,
+            message_id=_broker_id(message),
+            content_type=message.content_type,
+            subject=message.routing_key or None,
+            application_properties=_outgoing_properties(message.properties),
+            session_id=session_id,
+            time_to_live=ttl,
+        )
+    except ValueError as exc:
+        raise MessageRefused(
+            f"Service Bus will never take message {message.message_id} "
+            f"(session id {session_id[:200]!r}): {exc}"
+        ) from exc
 
 
 # ---- sending -----------------------------------------------------------------------------------
@@ -845,12 +860,19 @@ class ServiceBusTransport(AsyncResource):
             self._senders[entity] = sender
         return sender
 
-    async def _send(self, entity: str, message: ServiceBusMessage) -> None:
+    async def _send(self, entity: str, outgoing: OutgoingMessage, *, session_id: str) -> None:
+        message = _outgoing(outgoing, session_id=session_id)
         try:
             await self._sender(entity).send(message)
         except MessageSizeExceededError as exc:
-            raise PublishNotConfirmed(
-                f"Service Bus refused message {message.message_id} as too large"
+            # Service Bus measures the whole message (body, properties, annotations) against
+            # the entity's limit: a body under the cap can be over it with its properties (an
+            # agent's signing properties are ~2 KB). Sent again, it is refused again.
+            raise MessageRefused(
+                f"Service Bus will never take message {outgoing.message_id} on {entity!r}: "
+                f"its {len(outgoing.body)} bytes of body with its properties are over the "
+                f"largest message the entity takes ({MAX_MESSAGE_BYTES} bytes on the Standard "
+                f"tier; Service Bus says: {exc})"
             ) from exc
         except ServiceBusError as exc:
             error = _entity_error(exc, entity)
@@ -870,7 +892,7 @@ class ServiceBusTransport(AsyncResource):
         # Every lifecycle message carries one session id: a plain subscription ignores it, a
         # session-enabled one hands the whole stream, in order, to one receiver at a time.
         self._require()
-        await self._send(self.channels.events_topic, _outgoing(message, session_id=STREAM_SESSION))
+        await self._send(self.channels.events_topic, message, session_id=STREAM_SESSION)
 
     async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
         self._require()
@@ -879,7 +901,7 @@ class ServiceBusTransport(AsyncResource):
                 f"reply address {to} is not on this namespace's approvals queue "
                 f"{self.channels.approvals_queue!r}"
             )
-        await self._send(to.channel, _outgoing(message, session_id=to.key.casefold()))
+        await self._send(to.channel, message, session_id=to.key.casefold())
 
     async def declare_group(self, group: str, *, exclusive: bool | None = None) -> None:
         """Service Bus subscriptions are created by the operator (no AMQP call creates one):

@@ -5,11 +5,12 @@ are capped."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import pytest
 
-from schemas import ChannelNames, ConfigError, PublishNotConfirmed
+from schemas import ChannelNames, ConfigError, MessageRefused
 from schemas.transport import OutgoingMessage, open_transport
 from schemas.transport.servicebus import MAX_MESSAGE_BYTES, ServiceBusTransport, _namespace
 from tests.servicebus_double import EntityOptions, ServiceBusDouble
@@ -101,8 +102,63 @@ async def test_a_message_over_the_standard_tier_cap_is_refused_before_sending() 
             asyncio.timeout(60),
             ServiceBusTransport(double.connection_string, channels) as t,
         ):
-            with pytest.raises(PublishNotConfirmed, match="at most 262144"):
+            with pytest.raises(MessageRefused, match="at most 262144"):
                 await t.publish(_message(b"x" * (MAX_MESSAGE_BYTES + 1)))
+
+
+async def test_a_message_its_properties_take_over_the_links_max_size_is_refused_for_good() -> None:
+    """Service Bus measures the whole message (body, properties, annotations) against the
+    link's max message size (Standard: 262,144 bytes). A body under the cap whose properties
+    (an agent's signing properties are ~2 KB) take it over is refused however often it is
+    sent: MessageRefused, saying the size and the limit, which the agent's outbox sets aside.
+    It was a PublishNotConfirmed, which the outbox retries for ever, and nothing of that
+    agent's behind it went out. The next message on the same transport goes."""
+    channels = ChannelNames().suffixed(uuid.uuid4().hex[:8])
+    double = ServiceBusDouble(
+        topics={channels.events_topic: ["audit"]}, session_queues=[channels.approvals_queue]
+    )
+    big = dataclasses.replace(
+        _message(b"x" * (MAX_MESSAGE_BYTES - 1000)),
+        properties={"origin-attestation": "a" * 2000},
+    )
+    with double:
+        async with (
+            asyncio.timeout(60),
+            ServiceBusTransport(double.connection_string, channels) as t,
+        ):
+            with pytest.raises(MessageRefused) as refused:
+                await t.publish(big)
+            assert f"{len(big.body)} bytes" in str(refused.value)
+            assert "262144" in str(refused.value)
+            after = _message()
+            await t.publish(after)
+            async with t.subscribe("audit") as subscription:
+                delivery = await anext(subscription)
+                await delivery.ack()
+        assert delivery.message_id == after.message_id
+        assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 0
+
+
+async def test_an_approval_for_a_vm_whose_name_cannot_be_a_session_id_is_refused_for_good() -> None:
+    """The approvals queue's session id is the VM's name, and Service Bus takes at most 128
+    characters there (the SDK refuses a longer one when it builds the message); the contract
+    allows names of up to 200. An approval to such a VM is one Service Bus will never take:
+    MessageRefused (the approver then treats it as undeliverable and decides again). It was
+    the SDK's own ValueError, out of ``send_approval`` past every sender's handling of
+    transport errors. Another VM's approval goes."""
+    channels = ChannelNames().suffixed(uuid.uuid4().hex[:8])
+    double = ServiceBusDouble(
+        topics={channels.events_topic: ["audit"]}, session_queues=[channels.approvals_queue]
+    )
+    with double:
+        async with (
+            asyncio.timeout(60),
+            ServiceBusTransport(double.connection_string, channels) as t,
+        ):
+            with pytest.raises(MessageRefused, match="128"):
+                await t.send_approval(t.reply_address("v" * 129), _message())
+            await t.send_approval(t.reply_address("v" * 128), _message())
+        assert double.namespace.count(channels.approvals_queue) == 1
 
 
 async def test_a_missing_subscription_is_a_config_error_that_says_so() -> None:
