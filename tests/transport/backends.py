@@ -194,6 +194,7 @@ async def servicebus_backend(request: pytest.FixtureRequest, unique: str) -> Asy
             unreachable=lambda: ServiceBusTransport(at(closed_port()), channels),
             drops_without_groups=SERVICEBUS_DROPS,
             refused_message=oversized,
+            refuses_for_good=True,
             address=(double.host, double.port),
             via=lambda port: ServiceBusTransport(at(port), channels),
         )
