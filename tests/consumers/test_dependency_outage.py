@@ -29,6 +29,7 @@ from consumers._policies import parse_policy
 from schemas import ChannelNames, MessageType, RelayError, TransportError
 from schemas.approvals import generate_signing_key
 from schemas.transport import DEAD_LETTER_REASON, MemoryTransport, open_transport
+from schemas.transport.rabbitmq import RabbitMQTransport
 from schemas.wire import lifecycle_message
 from tests.transport.proxy import TcpProxy
 
@@ -117,7 +118,7 @@ async def test_a_database_outage_dead_letters_nothing_and_every_message_counts(
     published: list[Any] = []
     checker = open_database(postgres_url)  # the test's own look, not through the proxy
     async with contextlib.AsyncExitStack() as stack:
-        rabbit = await stack.enter_async_context(open_transport(amqp_url, channels))
+        rabbit = await stack.enter_async_context(RabbitMQTransport(amqp_url, channels))
         stack.push_async_callback(
             rabbit.delete_topology, groups=["approver", "audit"], vms=names, exchanges=True
         )
@@ -272,7 +273,7 @@ async def test_a_group_commit_to_a_database_that_is_down_costs_no_delivery_on_ra
             TcpProxy("127.0.0.1", urlsplit(postgres_url).port or 5432)
         )
         database = await stack.enter_async_context(open_database(_through(proxy, postgres_url)))
-        transport = await stack.enter_async_context(open_transport(amqp_url, channels))
+        transport = await stack.enter_async_context(RabbitMQTransport(amqp_url, channels))
         stack.push_async_callback(transport.delete_topology, groups=[group], exchanges=True)
         pending: list[tuple[str, str]] = []
 
