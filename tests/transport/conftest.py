@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from ._rabbitmqctl import BrokerUser, throwaway_user
 from .backends import BACKENDS, Backend
 
 
@@ -16,3 +17,10 @@ async def backend(request: pytest.FixtureRequest, unique: str) -> AsyncIterator[
     factory, _ = BACKENDS[request.param]
     async with factory(request, unique) as instance:
         yield instance
+
+
+@pytest.fixture
+async def alice(unique: str) -> AsyncIterator[BrokerUser]:
+    """A RabbitMQ user of the test's own (a VM's login), removed afterwards."""
+    async with throwaway_user(f"alice-{unique}") as user:
+        yield user

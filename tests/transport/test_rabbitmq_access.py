@@ -101,12 +101,6 @@ async def test_an_unreachable_broker_is_not_logged_twice(
 
 
 @pytest.fixture
-async def alice(unique: str) -> AsyncIterator[BrokerUser]:
-    async with throwaway_user(f"alice-{unique}") as user:
-        yield user
-
-
-@pytest.fixture
 async def central(amqp_url: str, unique: str) -> AsyncIterator[RabbitMQTransport]:
     """Consumers, as guest; deletes the test's entities afterwards."""
     channels = ChannelNames().suffixed(unique)

@@ -24,7 +24,7 @@ from schemas.transport import Delivery
 from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
 
 from ._helpers import assert_nothing, outgoing, receive
-from ._rabbitmqctl import BrokerUser, rabbitmqctl, throwaway_user
+from ._rabbitmqctl import BrokerUser, rabbitmqctl
 from .proxy import TcpProxy
 
 pytestmark = pytest.mark.rabbitmq
@@ -42,12 +42,6 @@ def _said(caplog: pytest.LogCaptureFixture, words: str) -> list[str]:
 
 def _lost_links(caplog: pytest.LogCaptureFixture) -> list[str]:
     return _said(caplog, "lost the link")
-
-
-@pytest.fixture
-async def alice(unique: str) -> AsyncIterator[BrokerUser]:
-    async with throwaway_user(f"alice-{unique}") as user:
-        yield user
 
 
 @pytest.fixture
