@@ -69,10 +69,9 @@ MESSAGE_REFUSALS: tuple[type[BaseException], ...] = (
     aiormq.exceptions.ChannelPreconditionFailed,
 )
 
-#: RabbitMQ's words for a message over ``max_message_size`` (PRECONDITION_FAILED).
-_TOO_LARGE = re.compile(r"message size \d+ is larger than configured max size")
-#: The same, with the limit (in bytes of body).
-_SIZE_LIMIT = re.compile(r"message size \d+ is larger than configured max size (\d+)")
+#: RabbitMQ's words for a message over ``max_message_size`` (PRECONDITION_FAILED), with the
+#: limit (in bytes of body).
+_TOO_LARGE = re.compile(r"message size \d+ is larger than configured max size (\d+)")
 #: RabbitMQ's words for a routing key the user's topic permissions forbid (ACCESS_REFUSED).
 _TOPIC = re.compile(r"access to topic '(.*)' in exchange '(.*)' in vhost '.*' refused for user")
 #: RabbitMQ's words for a ``user_id`` that is not the login's (PRECONDITION_FAILED).
@@ -207,7 +206,7 @@ def refuses(
     before the refused one), and is published again. Words it cannot read blame the message,
     as before."""
     text = reason(exc)
-    size = _SIZE_LIMIT.search(text)
+    size = _TOO_LARGE.search(text)
     if size is not None:
         return len(body) > int(size.group(1))
     topic = _TOPIC.search(text)

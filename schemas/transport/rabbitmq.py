@@ -349,7 +349,6 @@ class RabbitMQTransport(AsyncResource):
         deadline = loop.time() + self.settings.reconnect_timeout
         attempt = 0
         backoff = Backoff(*_RETRY_PAUSE)
-        for_another = False  # the last failure was a refusal of another message
         while True:
             await self._wait_link(deadline, what)
             _, channel = self._require()
@@ -394,8 +393,7 @@ class RabbitMQTransport(AsyncResource):
                 props = message.properties
                 if refuses(exc, exchange_name, routing_key, message.body, props.user_id):
                     raise refused(exc, what) from exc
-                failure: BaseException = exc
-                for_another = True
+                failure: BaseException = exc  # another message's refusal
             except REFUSALS as exc:
                 raise TransportError(f"{what}: RabbitMQ refused it: {reason(exc)}") from exc
             except asyncio.CancelledError as exc:
@@ -416,8 +414,7 @@ class RabbitMQTransport(AsyncResource):
                     f"{self.settings.reconnect_timeout:g} s ({reason(failure)}); the caller "
                     "should keep it and retry"
                 ) from failure
-            if for_another:
-                for_another = False
+            if isinstance(failure, MESSAGE_REFUSALS):
                 log.info(
                     "%s: RabbitMQ closed the channel for another message waiting there (%s): "
                     "publishing this one again once the channel reopens",
