@@ -55,11 +55,24 @@ async def central(amqp_url: str, unique: str) -> AsyncIterator[RabbitMQTransport
             await transport.delete_topology(groups=["audit"], vms=["vm-a"], exchanges=True)
 
 
+@pytest.fixture
+async def agents(
+    amqp_url: str, alice: BrokerUser, central: RabbitMQTransport
+) -> AsyncIterator[RabbitMQTransport]:
+    """Agents sharing one connection as ``alice``, whose topic permissions allow only vm-a's
+    routing keys on the events exchange (so a vm-b message is refused); the audit group is
+    declared."""
+    events = central.channels.events_exchange
+    await rabbitmqctl("set_topic_permissions", "-p", "/", alice.name, events, r"^.*\.vm-a$", ".*")
+    await central.declare_group("audit")
+    async with RabbitMQTransport(
+        alice.url(amqp_url), central.channels, settings=SETTINGS
+    ) as shared:
+        yield shared
+
+
 async def test_a_refused_publish_does_not_close_the_connection_its_neighbours_share(
-    amqp_url: str,
-    alice: BrokerUser,
-    central: RabbitMQTransport,
-    caplog: pytest.LogCaptureFixture,
+    central: RabbitMQTransport, agents: RabbitMQTransport, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The broker closes the publishing channel for a message it refuses (here a routing key
     the user's topic permissions forbid), and the robust channel reopens for the next. The
@@ -72,13 +85,7 @@ async def test_a_refused_publish_does_not_close_the_connection_its_neighbours_sh
     is never interrupted. (A neighbour whose message was already on the channel when the
     broker closed it is published again: the next test.)"""
     caplog.set_level(logging.INFO, logger="schemas.transport")
-    events = central.channels.events_exchange
-    await rabbitmqctl("set_topic_permissions", "-p", "/", alice.name, events, r"^.*\.vm-a$", ".*")
-    async with (
-        asyncio.timeout(BOUND),
-        RabbitMQTransport(alice.url(amqp_url), central.channels, settings=SETTINGS) as agents,
-    ):
-        await central.declare_group("audit")
+    async with asyncio.timeout(BOUND):
         async with agents.approvals("vm-a") as approvals:
             confirmed = refused = 0
             stop = asyncio.Event()
@@ -172,7 +179,7 @@ async def test_settling_while_a_subscription_closes_does_not_close_the_connectio
 
 
 async def test_a_refused_message_costs_that_message_not_its_neighbours_on_the_channel(
-    amqp_url: str, alice: BrokerUser, central: RabbitMQTransport
+    central: RabbitMQTransport, agents: RabbitMQTransport
 ) -> None:
     """When the broker refuses a message it closes the channel, and aiormq fails every publish
     still waiting for its confirm there with that message's refusal: a neighbour that did
@@ -182,13 +189,7 @@ async def test_a_refused_message_costs_that_message_not_its_neighbours_on_the_ch
     refused only when the broker's words are about it (its routing key, its size, its
     user_id); another message's refusal is a lost channel for it, and it is published again
     once the channel reopens."""
-    events = central.channels.events_exchange
-    await rabbitmqctl("set_topic_permissions", "-p", "/", alice.name, events, r"^.*\.vm-a$", ".*")
-    async with (
-        asyncio.timeout(BOUND),
-        RabbitMQTransport(alice.url(amqp_url), central.channels, settings=SETTINGS) as agents,
-    ):
-        await central.declare_group("audit")
+    async with asyncio.timeout(BOUND):
         blamed: list[str] = []
         refused = 0
 
