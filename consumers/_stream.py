@@ -757,16 +757,14 @@ class FleetStream:
             )
         return outage, pause
 
-    def _recovered(self, outage: _Outage | None, what: str) -> None:
-        if outage is not None:
-            log.info(
-                "group %s: %s works again after %.1f s waiting for its dependency (%d tries "
-                "in place)",
-                self.group,
-                what,
-                time.monotonic() - outage.since,
-                outage.tries + 1,
-            )
+    def _recovered(self, outage: _Outage, what: str) -> None:
+        log.info(
+            "group %s: %s works again after %.1f s waiting for its dependency (%d tries in place)",
+            self.group,
+            what,
+            time.monotonic() - outage.since,
+            outage.tries + 1,
+        )
 
     async def _pause(self, seconds: float) -> None:
         """Wait ``seconds``, or until :meth:`stop`."""
