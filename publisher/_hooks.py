@@ -13,6 +13,13 @@ their transition, marked running before the command starts, removed when their r
 outbox. So an agent killed while a hook runs reports it on its next start — ``hook.completed``
 with the outcome ``interrupted`` — or, with ``hook_rerun_interrupted`` (for hooks that are safe
 to repeat), runs it again; a ``hooks_done`` policy never waits for a hook that will never report.
+
+Given the hooks configured now, the runner executes a stored run's hook only if it is one of
+them, never the command the run's row names: a hook is known by its command, and a run executes
+when a hook with that command is configured for the run's transition (the kind of the
+transition its body holds). A run of a hook removed, or whose command changed, before the run
+started is reported (``not-started``, or ``interrupted`` for one a restart cut off) and not
+executed; so is a row written into the state file by hand.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 from schemas import (
@@ -38,6 +45,7 @@ from schemas import (
 )
 
 from ._observability import Metrics
+from ._settings import MAX_HOOK_COMMAND, HookSpec
 from ._state import HookRun, StateStore
 
 __all__ = ["HookRunner", "hook_environment"]
@@ -110,9 +118,17 @@ async def _read_tail(process: asyncio.subprocess.Process, tail: bytearray) -> No
             del tail[:-_TAIL]
 
 
+def _stored_command(run: HookRun) -> str:
+    """The command a run was queued with (its row holds ``KIND[,KIND...]=COMMAND``)."""
+    return run.hook.partition("=")[2] or run.hook
+
+
 class HookRunner:
     """Runs the hook runs the state store holds, oldest first; :meth:`notify` after a commit
-    that queued some. :meth:`run` until cancelled."""
+    that queued some. :meth:`run` until cancelled.
+
+    ``hooks``: the hooks configured now; a stored run executes only one of them. None (a
+    caller that does not say) executes the command each run was queued with."""
 
     def __init__(
         self,
@@ -124,6 +140,7 @@ class HookRunner:
         metrics: Metrics,
         committed: Callable[[], None],
         rerun_interrupted: bool = False,
+        hooks: Sequence[HookSpec] | None = None,
     ) -> None:
         self._timeout = timeout
         self._identity = identity
@@ -132,6 +149,7 @@ class HookRunner:
         self._metrics = metrics
         self._committed = committed
         self._rerun = rerun_interrupted
+        self._hooks = None if hooks is None else tuple(hooks)
         self._wake = asyncio.Event()
         self._first = True
 
@@ -144,36 +162,88 @@ class HookRunner:
             runs = await self._store.hook_runs()
             first, self._first = self._first, False
             for run in runs:
-                if run.state == "running" and first:
-                    await self._interrupted(run)
-                elif run.state in ("queued", "running"):
-                    await self._run_one(run, run.attempt + 1)
+                if run.state not in ("queued", "running"):
+                    continue
+                cut_off = run.state == "running" and first
+                message = self._transition(run)
+                if message is None:
+                    # Said to be dropped, so dropped now (a run cut off was left, and said so
+                    # again at each start).
+                    await self._store.commit([], hook_done=run.run_id)
+                    continue
+                command = self._configured(run, message)
+                if command is None:
+                    await self._not_configured(run, message, cut_off)
+                elif cut_off:
+                    await self._interrupted(run, message, command)
+                else:
+                    await self._run_one(run, message, command, run.attempt + 1)
             await self._wake.wait()
 
-    async def _interrupted(self, run: HookRun) -> None:
+    def _configured(self, run: HookRun, message: TransitionMessage) -> str | None:
+        """The command ``run`` may execute: that of a hook configured now with the command the
+        run was queued with, on the run's transition. None: no such hook (removed, its command
+        changed, or the row was not written by this agent), so nothing is executed for it.
+
+        The command compared, not the whole ``KIND[,KIND...]=COMMAND`` text: a hook whose flag
+        now names more transitions is the same hook, and its queued runs still run. The
+        transition is the one the run's body holds (the contract checked it), not the row's
+        text."""
+        stored = _stored_command(run)
+        if self._hooks is None:
+            return stored
+        kind = message.kind.value  # its MessageType is named as its TransitionKind
+        for hook in self._hooks:
+            if hook.command == stored and kind in hook.on:
+                return hook.command
+        return None
+
+    async def _not_configured(
+        self, run: HookRun, message: TransitionMessage, cut_off: bool
+    ) -> None:
+        """A stored run of a hook not configured now: reported, not executed. ``interrupted``
+        for a run a restart cut off (it did start, its result is unknown), else
+        ``not-started``: either way not succeeded, so a ``hooks_done`` policy does not count
+        it as done."""
+        outcome = HookOutcome.INTERRUPTED if cut_off else HookOutcome.NOT_STARTED
+        # The row's text, bounded as a configured command is: it names the run in the log and
+        # the report, it is never run. A crafted row may hold anything.
+        command = _stored_command(run)[:MAX_HOOK_COMMAND]
+        log.warning(
+            "hook %r is no longer configured: run for transition %s (%s %s) not executed, "
+            "reported as %s",
+            command[:200],
+            message.id,
+            message.kind.value,
+            message.data.event.event_id,
+            outcome.value,
+        )
+        why = "not run: this hook is no longer configured on this agent"
+        if cut_off:
+            why = f"cut off by a restart, and {why}"
+        await self._report(
+            run, message, command, outcome, None, False, 0.0, why.encode(), run.attempt
+        )
+
+    async def _interrupted(self, run: HookRun, message: TransitionMessage, command: str) -> None:
         """A run that was cut off by the agent stopping (a crash, kill -9, power loss)."""
         if self._rerun:
             log.warning(
                 "hook %r for transition %s was cut off by a restart: running it again "
                 "(hook_rerun_interrupted)",
-                run.hook,
-                run.transition_id,
+                command,
+                message.id,
             )
-            await self._run_one(run, run.attempt + 1)
+            await self._run_one(run, message, command, run.attempt + 1)
             return
         log.warning(
             "hook %r for transition %s was cut off by a restart: reported as interrupted (set "
             "hook_rerun_interrupted for hooks that are safe to run again)",
-            run.hook,
-            run.transition_id,
+            command,
+            message.id,
         )
-        message = self._transition(run)
-        if message is None:
-            # Said to be dropped, so dropped now (it was left, and said so again at each start).
-            await self._store.commit([], hook_done=run.run_id)
-            return
         await self._report(
-            run, message, HookOutcome.INTERRUPTED, None, False, 0.0, b"", run.attempt
+            run, message, command, HookOutcome.INTERRUPTED, None, False, 0.0, b"", run.attempt
         )
 
     def _transition(self, run: HookRun) -> TransitionMessage | None:
@@ -187,12 +257,9 @@ class HookRunner:
             return None
         return message
 
-    async def _run_one(self, run: HookRun, attempt: int) -> None:
-        message = self._transition(run)
-        if message is None:
-            await self._store.commit([], hook_done=run.run_id)
-            return
-        command = run.hook.partition("=")[2] or run.hook
+    async def _run_one(
+        self, run: HookRun, message: TransitionMessage, command: str, attempt: int
+    ) -> None:
         await self._store.hook_started(run.run_id, attempt)
         started = time.monotonic()
         timed_out = False
@@ -243,7 +310,9 @@ class HookRunner:
             duration,
             attempt,
         )
-        await self._report(run, message, outcome, exit_code, timed_out, duration, output, attempt)
+        await self._report(
+            run, message, command, outcome, exit_code, timed_out, duration, output, attempt
+        )
 
     async def _start(
         self, command: str, message: TransitionMessage, attempt: int
@@ -265,6 +334,7 @@ class HookRunner:
         self,
         run: HookRun,
         message: TransitionMessage,
+        command: str,
         outcome: HookOutcome,
         exit_code: int | None,
         timed_out: bool,
@@ -273,7 +343,6 @@ class HookRunner:
         attempt: int,
     ) -> None:
         self._metrics.hooks.labels(outcome.value).inc()
-        command = run.hook.partition("=")[2] or run.hook
         try:
             data = HookResultData(
                 vm=self._identity,
