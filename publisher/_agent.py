@@ -330,6 +330,7 @@ class Agent:
             metrics=self.metrics,
             committed=outbox.notify,
             rerun_interrupted=settings.hook_rerun_interrupted,
+            hooks=settings.hooks,
         )
         watcher = self._watcher = self._watch(
             identity, reply_to, imds, store, outbox, hooks, cadence, scope, stored

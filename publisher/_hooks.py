@@ -127,8 +127,7 @@ class HookRunner:
     """Runs the hook runs the state store holds, oldest first; :meth:`notify` after a commit
     that queued some. :meth:`run` until cancelled.
 
-    ``hooks``: the hooks configured now; a stored run executes only one of them. None (a
-    caller that does not say) executes the command each run was queued with."""
+    ``hooks``: the hooks configured now; a stored run executes only one of them."""
 
     def __init__(
         self,
@@ -140,7 +139,7 @@ class HookRunner:
         metrics: Metrics,
         committed: Callable[[], None],
         rerun_interrupted: bool = False,
-        hooks: Sequence[HookSpec] | None = None,
+        hooks: Sequence[HookSpec],
     ) -> None:
         self._timeout = timeout
         self._identity = identity
@@ -149,7 +148,7 @@ class HookRunner:
         self._metrics = metrics
         self._committed = committed
         self._rerun = rerun_interrupted
-        self._hooks = None if hooks is None else tuple(hooks)
+        self._hooks = tuple(hooks)
         self._wake = asyncio.Event()
         self._first = True
 
@@ -190,8 +189,6 @@ class HookRunner:
         transition is the one the run's body holds (the contract checked it), not the row's
         text."""
         stored = _stored_command(run)
-        if self._hooks is None:
-            return stored
         kind = message.kind.value  # its MessageType is named as its TransitionKind
         for hook in self._hooks:
             if hook.command == stored and kind in hook.on:

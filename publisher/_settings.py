@@ -548,7 +548,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="hooks",
         action="append",
         metavar="KINDS=COMMAND",
-        help="run COMMAND on these transitions, e.g. started=/usr/local/bin/drain (repeatable)",
+        help="run COMMAND on these transitions, e.g. started=/usr/local/bin/drain (repeatable); "
+        "a run left from before a restart executes only if its command is still configured for "
+        "its transition (else it is reported not-started)",
     )
     p.add_argument("--hook-timeout", help="seconds a hook may run (default 60)")
     p.add_argument(

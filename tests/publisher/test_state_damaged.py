@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from publisher._settings import HookSpec
 from publisher._state import STATE_FILE, OutboxRow, StateStore
 from publisher.simulator import EventSpec, EventType
 from schemas import (
@@ -26,6 +27,7 @@ from schemas import (
     MessageType,
     ReplyAddress,
     ScheduledEventsDocument,
+    TransitionKind,
     TransitionMessage,
     VmIdentity,
     diff,
@@ -209,6 +211,11 @@ async def _queued_hooks(state: Path, count: int, command: str) -> list[Transitio
     return transitions
 
 
+def _hooked(command: str) -> tuple[HookSpec, ...]:
+    """The agent's hooks: ``command`` on scheduled (the runs :func:`_queued_hooks` queued)."""
+    return (HookSpec(frozenset({TransitionKind.SCHEDULED}), command),)
+
+
 #: Damage to one hook run (``{transition}``: its transition's id), and what the error says of it.
 HOOK_RUN_DAMAGE = {
     "attempt-text": (
@@ -252,12 +259,13 @@ async def test_an_unreadable_hook_run_is_left_with_an_error_and_the_other_runs_g
     broker = _memory("hook-damaged")
     state = tmp_path / "state"
     ran = tmp_path / "ran"
-    first, second = await _queued_hooks(
-        state, 2, f"{sys.executable} -c \"open({str(ran)!r}, 'a').write('x')\""
-    )
+    command = f"{sys.executable} -c \"open({str(ran)!r}, 'a').write('x')\""
+    first, second = await _queued_hooks(state, 2, command)
     _sql(state, statement.format(transition=first.id))
     async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
-        settings = settings_for(server, "web-7", broker.url, broker.channels, state)
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, state, hooks=_hooked(command)
+        )
         with caplog.at_level(logging.ERROR, logger="publisher"):
             async with running(settings):
                 await rec.wait_for(lambda ms: _hook_result_of(rec, second) is not None, within=15)
@@ -288,10 +296,13 @@ async def test_a_hook_runs_result_names_its_transition_whatever_the_run_row_says
     Now the result carries the transition's own id."""
     broker = _memory("hook-transition-id")
     state = tmp_path / "state"
-    (transition,) = await _queued_hooks(state, 1, f"{sys.executable} -c pass")
+    command = f"{sys.executable} -c pass"
+    (transition,) = await _queued_hooks(state, 1, command)
     _sql(state, f"UPDATE hook_runs SET transition_id = {transition_id}")
     async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
-        settings = settings_for(server, "web-7", broker.url, broker.channels, state)
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, state, hooks=_hooked(command)
+        )
         async with running(settings) as agent:
             await rec.wait_for(lambda ms: _hook_result_of(rec, transition) is not None, 10)
             assert agent._outbox is not None
@@ -300,6 +311,35 @@ async def test_a_hook_runs_result_names_its_transition_whatever_the_run_row_says
     assert result is not None
     assert result.data.outcome == "ok"
     assert result.data.transition_id == transition.id
+
+
+async def test_the_agent_runs_only_the_hooks_configured_now_for_stored_runs(
+    tmp_path: Path,
+) -> None:
+    """Runs were queued for a hook that the operator then removed (another hook configured in
+    its place) before the agent started again. The agent executed each stored row's command:
+    the removed hook ran. Now the agent's configured hooks decide: the removed hook's runs are
+    reported not started and never executed."""
+    broker = _memory("hook-removed")
+    state = tmp_path / "state"
+    removed, kept = tmp_path / "removed-ran", tmp_path / "kept-ran"
+    (transition,) = await _queued_hooks(
+        state, 1, f"{sys.executable} -c \"open({str(removed)!r}, 'a').write('x')\""
+    )
+    configured = _hooked(f"{sys.executable} -c \"open({str(kept)!r}, 'a').write('x')\"")
+    async with simulator_server("web-7") as server, recorder(broker.url, broker.channels) as rec:
+        settings = settings_for(
+            server, "web-7", broker.url, broker.channels, state, hooks=configured
+        )
+        async with running(settings):
+            await rec.wait_for(lambda ms: _hook_result_of(rec, transition) is not None, 10)
+    result = _hook_result_of(rec, transition)
+    assert result is not None
+    assert result.data.outcome == "not-started"
+    assert "no longer configured" in result.data.output_tail
+    assert not removed.exists()  # the removed hook never ran
+    assert not kept.exists()  # nor the configured one in its place, for a run not its own
+    assert _rows(state, "SELECT run_id FROM hook_runs") == []
 
 
 async def test_an_interrupted_run_whose_transition_cannot_be_read_is_dropped_once(
