@@ -1,8 +1,10 @@
 """The dedupe window: message ids already handled, with what each said, so a redelivery or an
 agent's repeat reaches the handler once, and another message under a handled id is caught.
-Bounded in size and in age, because the stream never ends; and fair between VMs when full,
-because every VM may publish and ids are the senders' own: a VM that publishes new ids without
-end evicts its own entries, never another VM's while the window has room for that VM's."""
+Bounded in size and in age, because the stream never ends; and fair between senders when full,
+because every VM may publish and ids are the senders' own: a sender that publishes new ids
+without end evicts its own entries, never another's while the window has room for that one's.
+A sender is who the stream can tell apart (its ``party``): the broker user that published, not
+the VM names it claims, where one broker user may speak for many VMs."""
 
 from __future__ import annotations
 
@@ -12,21 +14,17 @@ from collections.abc import Callable
 
 __all__ = ["DedupeWindow"]
 
-#: The one party of every key that is not a ``(vm, id)`` tuple.
+#: The one party of every key that is not a ``(vm, id)`` tuple, added without a party.
 _SHARED = object()
 
-#: An entry of the window: (when it was added, the digest, its key).
-_Entry = tuple[float, str, object]
-
-
-def _party(key: object) -> object:
-    """Whose entry ``key`` is: the VM of a ``(vm, id)`` key, else the one shared party."""
-    return key[0] if isinstance(key, tuple) and key else _SHARED
+#: An entry of the window: (when it was added, the digest, its key, its party's name). The
+#: name, not the party: an entry of strings alone is left alone by the cyclic GC.
+_Entry = tuple[float, str, object, object]
 
 
 class _Party:
-    """One VM's entries, oldest first, from ``head`` on (a list and where it starts: a deque
-    costs 760 bytes even for one entry, and a window can hold as many VMs as ids). An entry
+    """One party's entries, oldest first, from ``head`` on (a list and where it starts: a deque
+    costs 760 bytes even for one entry, and a window can hold as many parties as ids). An entry
     added again is appended again; its older place is ``stale`` (no longer the entry the
     window holds under its key) and skipped."""
 
@@ -40,6 +38,12 @@ class _Party:
         self.held = 0
         #: How many of its places are stale (0 in the stream, which adds an id only once).
         self.stale = 0
+
+    def drop_stale(self, seen: OrderedDict[object, _Entry]) -> None:
+        """Forget its stale places, once they are most of its list (O(1) amortized)."""
+        if self.stale > self.held + 32:
+            self.entries = [e for e in self.entries[self.head :] if seen.get(e[2]) is e]
+            self.head = self.stale = 0
 
     def take_oldest(self, seen: OrderedDict[object, _Entry]) -> _Entry:
         """Its oldest entry, gone from its list (still in ``seen``)."""
@@ -67,17 +71,21 @@ class DedupeWindow:
     window catches agent restarts that republish as well as broker redeliveries, and one VM's
     messages can never occupy another VM's ids.
 
-    Entries older than ``ttl`` go first. When the window is still full, the entry evicted to
-    make room is the oldest of the VM holding the most entries: the adding VM's own when it is
-    one of those, the oldest in the window when every VM holds one. So a VM flooding new ids
-    evicts its own entries, and a VM holding no more than its share (``size`` divided by the
-    VMs in the window) loses entries only to age. Adding and looking up cost O(1) (amortized):
-    each VM's entries are kept in their order, and the VMs by how many they hold, so no add
-    looks at every VM.
+    Each entry belongs to a party: the ``party`` it was added with (the stream passes the
+    sender the broker vouches for, see :class:`~consumers.FleetStream`), else the VM of its
+    ``(vm, id)`` key. Entries older than ``ttl`` go first. When the window is still full, the
+    entry evicted to make room is the oldest of the party holding the most entries: the adding
+    party's own when it is one of those, the oldest in the window when every party holds one.
+    So a party flooding new ids evicts its own entries, however many VM names it puts on them,
+    and a party holding no more than its share (``size`` divided by the parties in the window)
+    loses entries only to age. Adding and looking up cost O(1) (amortized): each party's entries
+    are kept in their order, and the parties by how many they hold, so no add looks at every
+    party. The key alone decides what is found (a party is only whose room an entry takes):
+    a key added again under another party is that party's newest from then on.
 
-    Keys that are not tuples (a library user's own) all count as one VM: among themselves the
-    window is the plain least-recently-added one it always was, and together they are one
-    party to the VMs.
+    Keys that are not tuples (a library user's own) added without a party all count as one:
+    among themselves the window is the plain least-recently-added one it always was, and
+    together they are one party to the VMs.
 
     >>> window = DedupeWindow(size=2)
     >>> window.add("a"); window.add("b"); window.add("c")
@@ -89,6 +97,10 @@ class DedupeWindow:
     ...     window.add(("web-2", f"flood-{n}"))
     >>> ("web-1", "m1") in window, ("web-2", "flood-97") in window
     (True, False)
+    >>> for n in range(100):  # one sender naming a new VM for each id: still one party
+    ...     window.add((f"web-{n + 3}", f"flood-{n}"), party="flooder")
+    >>> ("web-1", "m1") in window, ("web-102", "flood-99") in window
+    (True, True)
     """
 
     def __init__(
@@ -129,57 +141,65 @@ class DedupeWindow:
     def __contains__(self, key: object) -> bool:
         return self.get(key) is not None
 
-    def add(self, key: object, digest: str = "") -> None:
-        """Remember ``key`` (again: as its VM's newest), dropping what aged out, then, while the
-        window is over its size, the oldest entry of the VM holding the most."""
+    def add(self, key: object, digest: str = "", party: object = None) -> None:
+        """Remember ``key`` (again: as its party's newest), dropping what aged out, then, while
+        the window is over its size, the oldest entry of the party holding the most.
+        ``party``: whose room the entry takes (None: the VM of a ``(vm, id)`` key)."""
         now = self._clock()
         seen = self._seen
         if self.ttl is not None and seen:
             horizon = now - self.ttl
             if next(iter(seen.values()))[0] < horizon:
                 self._expire(horizon)
-        name = key[0] if isinstance(key, tuple) and key else _SHARED
-        party = self._parties.get(name)
         if party is None:
-            party = self._parties[name] = _Party(name)
-        entry = (now, digest, key)
-        if seen.setdefault(key, entry) is not entry:  # added again: now its VM's newest
+            party = key[0] if isinstance(key, tuple) and key else _SHARED
+        own = self._parties.get(party)
+        if own is None:
+            own = self._parties[party] = _Party(party)
+        entry = (now, digest, key, party)
+        before = seen.setdefault(key, entry)
+        if before is not entry:  # added again: now its party's newest
             seen[key] = entry
             seen.move_to_end(key)
-            party.entries.append(entry)
-            party.stale += 1
-            if party.stale > party.held + 32:  # mostly stale places: drop them
-                party.entries = [e for e in party.entries[party.head :] if seen.get(e[2]) is e]
-                party.head = party.stale = 0
-            return
-        held = party.held
+            other = own if before[3] == party else self._parties[before[3]]
+            other.stale += 1
+            if other is own:
+                own.entries.append(entry)
+                own.drop_stale(seen)
+                return
+            # Another party's until now: it leaves that one's count for this one's (the
+            # window holds as many entries as before).
+            self._recount(other, other.held - 1)
+            if other.held:
+                other.drop_stale(seen)
+        held = own.held
         if held and held >= self._most - 1 and len(seen) == self.size + 1:
-            # Full, and this VM is one holding the most now (a VM flooding new ids, or every
-            # VM holding its share): its own oldest makes the room, and how many each VM
-            # holds does not change.
-            del seen[party.take_oldest(seen)[2]]
-            party.entries.append(entry)
+            # Full, and this party is one holding the most now (a party flooding new ids, or
+            # every party holding its share): its own oldest makes the room, and how many
+            # each party holds does not change.
+            del seen[own.take_oldest(seen)[2]]
+            own.entries.append(entry)
             return
-        party.entries.append(entry)
-        self._recount(party, held + 1)
+        own.entries.append(entry)
+        self._recount(own, held + 1)
         while len(seen) > self.size:
-            self._make_room(party)
+            self._make_room(own)
 
     def _expire(self, horizon: float) -> None:
         """Drop every entry added before ``horizon``: the oldest of the window are each their
-        VM's oldest too."""
+        party's oldest too."""
         seen = self._seen
         while seen:
             oldest = next(iter(seen.values()))
             if oldest[0] >= horizon:
                 break
-            self._drop_oldest(self._parties[_party(oldest[2])])
+            self._drop_oldest(self._parties[oldest[3]])
 
     def _make_room(self, adding: _Party) -> None:
         """Evict one entry, never the one ``adding`` has just added."""
         most = self._most
-        if most == 1:  # every VM holds one: the oldest entry goes, not the one just added
-            party = self._parties[_party(next(iter(self._seen)))]
+        if most == 1:  # every party holds one: the oldest entry goes, not the one just added
+            party = self._parties[next(iter(self._seen.values()))[3]]
         elif adding.held == most:
             party = adding
         else:

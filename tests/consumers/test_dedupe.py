@@ -1,5 +1,6 @@
-"""The dedupe window on its own: bounded in size and age, and fair between VMs when full (a VM
-that publishes many new ids evicts its own entries, never another VM's while there is room)."""
+"""The dedupe window on its own: bounded in size and age, and fair between parties when full (a
+VM, or the sender the stream passes as its party, that publishes many new ids evicts its own
+entries, never another's while there is room)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,41 @@ def test_a_window_made_smaller_sheds_from_the_vm_holding_the_most():
     assert ("web-b", "1") in window
 
 
+def test_a_party_naming_a_new_vm_for_each_id_evicts_its_own_entries_not_another_vms():
+    """The stream passes the broker user as the party: one that may speak for a whole scale
+    set and names a new VM for each id is one party, not a thousand."""
+    window = DedupeWindow(size=10, ttl=None)
+    window.add(("web-a", "m-1"), "digest-a", "user-a")
+    for n in range(1_000):
+        window.add((f"flood_{n}", f"flood-{n}"), f"digest-{n}", "user-b")
+    assert window.get(("web-a", "m-1")) == "digest-a"
+    assert len(window) == 10
+    assert all((f"flood_{n}", f"flood-{n}") in window for n in range(991, 1_000))
+    assert ("flood_990", "flood-990") not in window
+
+
+def test_without_a_party_each_vm_name_is_one():
+    window = DedupeWindow(size=10, ttl=None)
+    window.add(("web-a", "m-1"))
+    for n in range(1_000):
+        window.add((f"flood_{n}", f"flood-{n}"))
+    assert ("web-a", "m-1") not in window  # every name held one: the oldest went
+
+
+def test_an_id_added_again_under_another_party_takes_that_ones_room():
+    window = DedupeWindow(size=4, ttl=None)
+    window.add(("web-a", "1"), party="user-a")
+    window.add(("web-a", "2"), party="user-a")
+    window.add(("web-b", "1"), party="user-b")
+    window.add(("web-a", "1"), "again", party="user-b")  # user-b's now: it holds two, a one
+    window.add(("web-c", "1"), party="user-c")
+    window.add(("web-d", "1"), party="user-d")  # over: user-b's oldest makes the room
+    assert ("web-b", "1") not in window
+    assert window.get(("web-a", "1")) == "again"
+    assert all(key in window for key in (("web-a", "2"), ("web-c", "1"), ("web-d", "1")))
+    assert len(window) == 4
+
+
 def test_plain_keys_share_one_bucket_and_are_a_plain_lru_among_themselves():
     """Keys that are not ``(vm, id)`` tuples (a library user's own) are one party: among
     themselves the window is the LRU it always was, and together they cannot flood a VM out."""
@@ -120,15 +156,19 @@ def test_expired_entries_go_first_and_leave_the_counts_right():
 
 
 _VMS = ("web-a", "web-b", "web-c")
-_add = st.tuples(st.just("add"), st.sampled_from(_VMS), st.integers(0, 20))
+#: None: the VM's own; a name: a sender's (one named like a VM is that VM's party too).
+_PARTIES = st.sampled_from([None, None, None, "user-1", "user-2", "web-a"])
+_add = st.tuples(st.just("add"), st.sampled_from(_VMS), st.integers(0, 20), _PARTIES)
+#: Few ids: keys added again, often under another party.
+_again = st.tuples(st.just("add"), st.sampled_from(_VMS), st.integers(0, 2), _PARTIES)
 _operations = st.lists(
     st.one_of(
         _add,
         _add,
-        _add,
-        st.tuples(st.just("add"), st.just("plain"), st.integers(0, 10)),
-        st.tuples(st.just("get"), st.sampled_from(_VMS), st.integers(0, 20)),
-        st.tuples(st.just("wait"), st.just(""), st.integers(0, 4)),
+        _again,
+        st.tuples(st.just("add"), st.just("plain"), st.integers(0, 10), st.none()),
+        st.tuples(st.just("get"), st.sampled_from(_VMS), st.integers(0, 20), st.none()),
+        st.tuples(st.just("wait"), st.just(""), st.integers(0, 4), st.none()),
     ),
     max_size=200,
 )
@@ -136,19 +176,21 @@ _operations = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 8), _operations)
-def test_eviction_takes_the_oldest_entry_of_a_vm_holding_the_most(size, operations):
+def test_eviction_takes_the_oldest_entry_of_a_party_holding_the_most(size, operations):
     """Against a model of the window: after every add, everything expired is gone, and when the
-    window was over its size the one entry evicted was the oldest of a VM holding the most
-    entries (the adding VM's own when it is one of those); the new entry is always kept."""
+    window was over its size the one entry evicted was the oldest of a party holding the most
+    entries (the adding party's own when it is one of those); the new entry is always kept. A
+    key's party is the one it was last added with (its VM when none was given)."""
     now = [0.0]
     ttl = 10.0
     window = DedupeWindow(size=size, ttl=ttl, clock=lambda: now[0])
     model: OrderedDict[object, float] = OrderedDict()  # key -> when added, oldest first
+    parties: dict[object, object] = {}
 
     def party(key: object) -> object:
-        return key[0] if isinstance(key, tuple) else "plain"
+        return parties[key]
 
-    for op, vm, n in operations:
+    for op, vm, n, sender in operations:
         key: object = f"plain-{n}" if vm == "plain" else (vm, str(n))
         if op == "wait":
             now[0] += n
@@ -159,7 +201,8 @@ def test_eviction_takes_the_oldest_entry_of_a_vm_holding_the_most(size, operatio
             continue
         model[key] = now[0]
         model.move_to_end(key)
-        window.add(key)
+        parties[key] = sender if sender is not None else "plain" if vm == "plain" else vm
+        window.add(key, party=sender)
         for old in [k for k, added in model.items() if now[0] - added > ttl]:
             del model[old]
         present = [k for k in model if k in window]

@@ -1,7 +1,9 @@
 """One VM's flood of new ids through the fleet stream costs other VMs nothing: their messages
 handled already still reach no handler twice, and another message under one of their ids is
 still caught. Every VM may publish to the events exchange and ids are the senders' own, so a
-hostile (or broken) VM can publish as many new ids as it likes."""
+hostile (or broken) VM can publish as many new ids as it likes; and without an origin check,
+under as many VM names as it likes (a sender the broker names is then one party, however many
+VMs it names: test_dedupe_senders.py has the same with a broker-user origin, on RabbitMQ)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import uuid
 
 import pytest
 
-from consumers import DeadLetterReason, DedupeWindow, FleetStream
+from consumers import DeadLetterReason, DedupeWindow, FleetStream, Origin
 from schemas import MessageType, TransitionMessage
 from schemas.transport import DEAD_LETTER_REASON, MemoryTransport
 from schemas.wire import lifecycle_message
@@ -29,17 +31,26 @@ async def transport():
 
 
 def _flood(name: str) -> list[TransitionMessage]:
-    """New ids from VM ``name``: one event each, as a VM inventing events would send them."""
-    return [
-        transition("scheduled", event(f"EVT-FLOOD-{n}", resources=(name,)), vm(name))
-        for n in range(_FLOOD)
-    ]
+    """New ids from VM ``name``: one event each, as a VM inventing events would send them.
+    ``name`` may hold ``{n}``: a VM invented for each id."""
+    messages = []
+    for n in range(_FLOOD):
+        vm_name = name.format(n=n)
+        ev = event(f"EVT-FLOOD-{n}", resources=(vm_name,))
+        messages.append(transition("scheduled", ev, vm(vm_name)))
+    return messages
 
 
-async def _run(transport: MemoryTransport, messages: list[TransitionMessage], last: str):
-    """The messages through an approver-like stream with a window of ``_WINDOW`` ids, until the
-    message with id ``last`` is handled: (the ids each handler call got, the stream)."""
-    stream = FleetStream(transport, "approver", dedupe=DedupeWindow(size=_WINDOW))
+async def _run(
+    transport: MemoryTransport,
+    messages: list[TransitionMessage | tuple[MemoryTransport, TransitionMessage]],
+    last: str,
+    origin: Origin | None = None,
+):
+    """The messages (each published by ``transport``, or by the transport paired with it)
+    through an approver-like stream with a window of ``_WINDOW`` ids, until the message with
+    id ``last`` is handled: (the ids each handler call got, the stream)."""
+    stream = FleetStream(transport, "approver", dedupe=DedupeWindow(size=_WINDOW), origin=origin)
     handled: list[str] = []
 
     @stream.on(MessageType.SCHEDULED)
@@ -49,8 +60,9 @@ async def _run(transport: MemoryTransport, messages: list[TransitionMessage], la
             stream.stop()
 
     await transport.declare_group("approver")
-    for message in messages:
-        await transport.publish(lifecycle_message(message))
+    for item in messages:
+        publisher, message = item if isinstance(item, tuple) else (transport, item)
+        await publisher.publish(lifecycle_message(message))
     async with asyncio.timeout(5):
         await stream.run()
     return handled, stream
@@ -87,3 +99,29 @@ async def test_another_message_under_an_id_handled_before_a_flood_is_still_a_con
             await letter.ack()
     assert letter.properties[DEAD_LETTER_REASON] == DeadLetterReason.ID_CONFLICT
     assert letter.body == lifecycle_message(other).body
+
+
+@pytest.mark.parametrize("origin", [None, Origin.ANY])
+async def test_without_an_origin_check_a_sender_naming_new_vms_floods_out_only_its_own(
+    transport, origin
+):
+    """Nothing checks which VMs a sender may name, but the broker says who published: one
+    sender naming a new VM for each id is one party, and another VM's message handled before
+    its flood still reaches the handler once."""
+    broker = transport.broker
+    async with (
+        MemoryTransport(broker, user="agent-web-a") as web_a,
+        MemoryTransport(broker, user="flooder") as flooder,
+    ):
+        own = transition("scheduled", event("EVT-A", resources=("web-a",)), vm("web-a"))
+        flood = _flood("invented-{n}")
+        after = transition("scheduled", event("EVT-C", resources=("web-a",)), vm("web-a"))
+        handled, stream = await _run(
+            transport,
+            [(web_a, own), *((flooder, m) for m in flood), (web_a, own), (web_a, after)],
+            after.id,
+            origin,
+        )
+    assert handled == [own.id, *(m.id for m in flood), after.id]
+    assert stream.stats.duplicates == 1
+    assert len(stream.dedupe) == _WINDOW
