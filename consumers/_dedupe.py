@@ -3,8 +3,9 @@ agent's repeat reaches the handler once, and another message under a handled id 
 Bounded in size and in age, because the stream never ends; and fair between senders when full,
 because every VM may publish and ids are the senders' own: a sender that publishes new ids
 without end evicts its own entries, never another's while the window has room for that one's.
-A sender is who the stream can tell apart (its ``party``): the broker user that published, not
-the VM names it claims, where one broker user may speak for many VMs."""
+A sender is who the stream can tell apart (its ``party``): the broker user that published where
+the origin check maps broker users to VMs (one may speak for a whole scale set), not the VM
+names it claims; else the VM."""
 
 from __future__ import annotations
 
@@ -71,17 +72,17 @@ class DedupeWindow:
     window catches agent restarts that republish as well as broker redeliveries, and one VM's
     messages can never occupy another VM's ids.
 
-    Each entry belongs to a party: the ``party`` it was added with (the stream passes the
-    sender the broker vouches for, see :class:`~consumers.FleetStream`), else the VM of its
-    ``(vm, id)`` key. Entries older than ``ttl`` go first. When the window is still full, the
-    entry evicted to make room is the oldest of the party holding the most entries: the adding
-    party's own when it is one of those, the oldest in the window when every party holds one.
-    So a party flooding new ids evicts its own entries, however many VM names it puts on them,
-    and a party holding no more than its share (``size`` divided by the parties in the window)
-    loses entries only to age. Adding and looking up cost O(1) (amortized): each party's entries
-    are kept in their order, and the parties by how many they hold, so no add looks at every
-    party. The key alone decides what is found (a party is only whose room an entry takes):
-    a key added again under another party is that party's newest from then on.
+    Each entry belongs to a party: the ``party`` it was added with (the stream passes the broker
+    user that published under a broker-user origin check, see :class:`~consumers.FleetStream`),
+    else the VM of its ``(vm, id)`` key. Entries older than ``ttl`` go first. When the window is
+    still full, the entry evicted to make room is the oldest of the party holding the most
+    entries: the adding party's own when it is one of those, the oldest in the window when every
+    party holds one. So a party flooding new ids evicts its own entries, however many VM names
+    it puts on them, and a party holding no more than its share (``size`` divided by the parties
+    in the window) loses entries only to age. Adding and looking up cost O(1) (amortized): each
+    party's entries are kept in their order, and the parties by how many they hold, so no add
+    looks at every party. The key alone decides what is found (a party is only whose room an
+    entry takes): a key added again under another party is that party's newest from then on.
 
     Keys that are not tuples (a library user's own) added without a party all count as one:
     among themselves the window is the plain least-recently-added one it always was, and

@@ -110,9 +110,9 @@ Handler = Callable[[Any], Awaitable[object]]
 _Key = tuple[str, str]
 #: A message handled, until the dedupe window remembers it: (its digest, its party there).
 _Handled = tuple[str, str | None]
-#: Looked up once: an enum member read from its class costs some 0.2 µs (Python 3.11), and
-#: :meth:`FleetStream._party` asks for every message.
-_SIGNED = Origin.SIGNED
+#: The origins whose broker user the dedupe window's fairness goes by (:meth:`FleetStream._party`,
+#: asked for every message: a set made once, not enum members read from their class each time).
+_BROKER_USER_ORIGINS = frozenset({Origin.VM_USER, Origin.SCALE_SET_USER})
 H = TypeVar("H", bound=Handler)
 
 #: Longest pause before the subscription is opened again after a broker failure.
@@ -892,12 +892,13 @@ class FleetStream:
         flooding new ids evicts its own, however many VMs it names. With a broker-user origin
         (``vm-user``, ``scale-set-user``): the broker user that published, which
         :func:`authenticate` found may speak for the VM (one may speak for a whole scale set,
-        ``<scale set>_<n>`` for any n). Signed: None, the VM itself (its name), which one
-        attested VM cannot change (the verifier binds each vmId to one name). Without an origin
-        check (``any``, or none): the broker user where the broker names one, else the VM the
-        message names, which its sender may invent: fairness there is no stronger than what
-        senders claim."""
-        return None if self.origin is _SIGNED else delivery.sender
+        ``<scale set>_<n>`` for any n). Otherwise None: the VM the message names. Signed: one
+        attested VM cannot change it (the verifier binds each vmId to one name). Without an
+        origin check (``any``, or none) the operator trusts the senders, who often share one
+        broker user: a party per sender would make every VM one party, which a broken agent
+        flooding new ids under its own name empties; a sender that invents VM names is what
+        the check is for."""
+        return delivery.sender if self.origin in _BROKER_USER_ORIGINS else None
 
     async def _recall(self, message: Admitted) -> str | None:
         """``recall``; when it fails, the message is handled (its handlers judge it again)."""
