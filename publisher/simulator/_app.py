@@ -41,4 +41,6 @@ def create_app(simulator: Simulator) -> Starlette:
         Route("/vm/{name}/metadata/attested/document", imds.vm_attested, methods=_ANY_METHOD),
         *admin_routes(simulator),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.state.imds = imds  # serve() tells it the server is stopping
+    return app

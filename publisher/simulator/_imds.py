@@ -11,9 +11,10 @@ so. Every request lands in the request log with the status it got, and in its VM
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -49,11 +50,26 @@ def error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
 
+def _stopping() -> JSONResponse:
+    """The answer to a request held when the server stops."""
+    return error(503, "Service unavailable: the simulator is stopping")
+
+
 class ImdsEndpoints:
     """The request handlers, bound to one simulator."""
 
     def __init__(self, simulator: Simulator) -> None:
         self._sim = simulator
+        #: Set when the server stops: a request a fault or a first-call delay holds is answered
+        #: at once, not cancelled after the graceful-shutdown time (a 500 and a traceback).
+        self.stopping = asyncio.Event()
+
+    async def _held(self, seconds: float) -> bool:
+        """Wait ``seconds`` (real) unless the server stops first; True: it is stopping."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self.stopping.wait()
+        return self.stopping.is_set()
 
     async def default_scheduled_events(self, request: Request) -> Response:
         return await self._handle(request, self._sim.default_vm, "scheduledevents")
@@ -102,11 +118,12 @@ class ImdsEndpoints:
                 # A late answer, not a late request: what the client sent has arrived (Starlette
                 # keeps the body), and IMDS acts on it even if the client is gone by then.
                 await request.body()
-                await asyncio.sleep(self._sim.to_real(fault.delay_seconds))
+                if await self._held(self._sim.to_real(fault.delay_seconds)):
+                    return _stopping()
         response = await self._serve(request, vm, endpoint, fault)
         if fault is not None and fault.drip_seconds is not None:
             log.info("%s: dripping %d bytes", vm, len(response.body))
-            return _dripped(response, fault.drip_seconds)
+            return _dripped(response, fault.drip_seconds, self._held)
         if fault is not None and fault.huge_mb is not None:
             log.info("%s: padding the answer to %g MiB", vm, fault.huge_mb)
             return _padded(response, int(fault.huge_mb * 2**20))
@@ -152,7 +169,8 @@ class ImdsEndpoints:
         delay = sim.take_first_call_delay(vm)
         if delay > 0:
             log.info("first call of %s: answering in %.3f s", vm, delay)
-            await asyncio.sleep(delay)
+            if await self._held(delay):
+                return _stopping()
         if method == "POST":
             return await self._approve(request, vm)
         if fault is not None and fault.reset is not None:
@@ -205,14 +223,18 @@ def parse_start_requests(body: bytes) -> list[str] | None:
     return event_ids
 
 
-def _dripped(response: Response, interval: float) -> Response:
-    """``response`` with its body sent one byte every ``interval`` real seconds."""
+def _dripped(
+    response: Response, interval: float, held: Callable[[float], Awaitable[bool]]
+) -> Response:
+    """``response`` with its body sent one byte every ``interval`` real seconds (the rest at
+    once when ``held`` says the server is stopping)."""
     body = bytes(response.body)
 
     async def drip() -> AsyncIterator[bytes]:
         for i in range(len(body)):
-            if i:
-                await asyncio.sleep(interval)
+            if i and await held(interval):
+                yield body[i:]
+                return
             yield body[i : i + 1]
 
     return _streamed(response, drip(), len(body))

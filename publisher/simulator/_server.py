@@ -102,8 +102,9 @@ async def serve(
     """
     sock = _bind(host, port)
     bound_port = int(sock.getsockname()[1])
+    app = create_app(simulator)
     config = uvicorn.Config(
-        create_app(simulator),
+        app,
         lifespan="off",
         ws="none",
         log_config=None,
@@ -123,6 +124,7 @@ async def serve(
         log.info("simulator listening on %s:%d", host, bound_port)
         yield SimulatorServer(simulator, host, bound_port)
     finally:
+        app.state.imds.stopping.set()  # what a fault holds is answered now, not cancelled
         server.stop()
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout=shutdown_timeout + 1)

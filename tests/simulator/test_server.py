@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
 import httpx
@@ -66,3 +67,41 @@ async def test_create_app_works_without_a_socket() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://imds") as client:
         response = await client.get(SE, headers=HEADERS)
     assert response.json() == {"DocumentIncarnation": 1, "Events": []}
+
+
+async def test_a_stop_answers_the_requests_a_fault_holds_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request held by a hang (``delay_seconds``) or a drip when the simulator stopped: the
+    stop waited out the graceful-shutdown time (5 s by default; here 60), then cancelled the
+    request, which the client saw as a 500 and the log as a traceback ("Task cancelled,
+    timeout graceful shutdown exceeded": the fault storm's end). Now a stop ends them at once:
+    the hung request is answered 503 (the simulator is stopping), the dripping one gets the
+    rest of its body, and nothing is logged as an error."""
+    from publisher.simulator._faults import FaultSpec
+
+    sim = Simulator(vms=["a", "b"])
+    answers: dict[str, httpx.Response] = {}
+
+    async def get(vm: str, client: httpx.AsyncClient, url: str) -> None:
+        answers[vm] = await client.get(url + SE, headers=HEADERS)
+
+    with caplog.at_level(logging.WARNING):
+        async with (
+            asyncio.timeout(30),
+            httpx.AsyncClient(timeout=120) as client,
+            asyncio.TaskGroup() as requests,
+            serve(sim, shutdown_timeout=60) as server,
+        ):
+            sim.add_fault(FaultSpec(vm="a", delay_seconds=600))
+            sim.add_fault(FaultSpec(vm="b", drip_seconds=5))
+            for vm in ("a", "b"):
+                requests.create_task(get(vm, client, server.vm_url(vm)))
+            await asyncio.sleep(1)  # both held: a hung, b dripping
+            assert not answers
+    assert answers["a"].status_code == 503
+    assert "stopping" in answers["a"].json()["error"]
+    assert answers["b"].status_code == 200
+    assert answers["b"].json()["DocumentIncarnation"] >= 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
