@@ -16,11 +16,12 @@ Only the schema (DDL) is per backend.
 SQLite work runs on a thread of the database's own, one statement or transaction at a time (a
 lock), in WAL mode, and a second connection of its own moves the write-ahead log into the
 database file in the background (a commit does not pay for it); PostgreSQL uses a small asyncpg
-pool. Failures are :class:`DatabaseError`
-(with the database's own words: a statement refused), or :class:`~schemas.TransportError` when
-the server cannot be reached or cannot serve just now (unreachable, refusing connections, timing
-out, the connection lost, restarting or failing over: :func:`_postgres_failure`), which the
-fleet stream waits out instead of failing the message (see
+pool, every wait for the server bounded (a statement by ``statement_seconds``, a connection by
+``acquire_seconds``). Failures are :class:`DatabaseError` (with the database's own words: a
+statement refused), or :class:`~schemas.TransportError` when the server cannot be reached or
+cannot serve just now (unreachable, refusing connections, not answering within a bound, the
+connection lost, restarting or failing over, read-only after a failover:
+:func:`_postgres_failure`), which the fleet stream waits out instead of failing the message (see
 :func:`consumers._stream.dependency_unavailable`). :meth:`Database.write` commits statements
 that need no result of each other in one go.
 """
@@ -487,17 +488,30 @@ def _numbered(sql: str) -> str:
 #: ended (57P05), no connection slot left (53300); with class 08 (the connection failed or is
 #: gone: asyncpg's ``ConnectionDoesNotExistError`` when it drops mid-statement). A restart or a
 #: failover answers these for seconds to a minute.
-_UNAVAILABLE_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "53300"})
+#:
+#: And 25006 (read_only_sql_transaction), a write on a server that cannot write: right after a
+#: failover the DSN still leads to the old primary, demoted, or to a server in recovery, for
+#: the seconds to a minute until its name points at the new primary (57P03's sibling: that one
+#: refuses the connection, this one the write). A DSN that leads to a replica for good is a
+#: setting to correct, which the outage's warning names; as a refusal, every message written
+#: meanwhile was dead-lettered. The connection that met it is closed (see
+#: :meth:`PostgresDatabase._connection`): the pool's next one follows the DSN.
+_READ_ONLY = "25006"
+_UNAVAILABLE_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "53300", _READ_ONLY})
 
 
 def _postgres_failure(display: str, exc: Exception) -> RelayError:
     """An asyncpg failure as ours: :class:`~schemas.TransportError` when the server cannot
     serve just now (see above), :class:`DatabaseError` when it refused the statement (a
-    constraint, a permission, a serialization failure or a deadlock, a read-only server)."""
-    state = str(getattr(exc, "sqlstate", None) or "")
+    constraint, a permission, a serialization failure or a deadlock)."""
+    state = _sqlstate(exc)
     if state.startswith("08") or state in _UNAVAILABLE_STATES:
         return TransportError(f"PostgreSQL at {display}: {exc}")
     return DatabaseError(f"{display}: {exc}")
+
+
+def _sqlstate(exc: BaseException) -> str:
+    return str(getattr(exc, "sqlstate", None) or "")
 
 
 def _count(status: str) -> int:
@@ -520,16 +534,57 @@ class _PostgresTransaction:
         return None if row is None else tuple(row)
 
 
+#: How long a statement waits for PostgreSQL's answer: then it fails as the database
+#: unavailable (:class:`~schemas.TransportError`), which the stream waits out in place. What
+#: the services run is an indexed lookup or a write of at most a few hundred rows, milliseconds
+#: (seconds behind another writer's lock): no answer after 30 s says the server or the link is
+#: not answering (paused, frozen, its packets dropped). Without a bound the statement waited
+#: for TCP, a quarter of an hour of retransmissions when packets are lost, and for ever when
+#: the server's host still acknowledges them, the service silent meanwhile.
+STATEMENT_SECONDS = 30.0
+#: How long a statement waits for a connection: one of the pool's to be free, or a new one to
+#: be opened (what bounded only the opening before, at the same 10 s). A free connection is
+#: there within milliseconds unless every one waits for a server that does not answer.
+ACQUIRE_SECONDS = 10.0
+#: The bound of :meth:`PostgresDatabase.script`'s DDL: a schema upgrade builds its indexes
+#: over a whole ledger (minutes for millions of rows), and another process's upgrade holds
+#: the lock it waits for meanwhile. Bounded all the same, for a server that stops answering.
+SCRIPT_SECONDS = 3600.0
+
+
+def _given_up(exc: BaseException) -> bool:
+    """Whether the statement under way was given up: it timed out, or its task was cancelled
+    (a stop). See :meth:`PostgresDatabase._connection`."""
+    return isinstance(exc, TimeoutError | asyncio.CancelledError)
+
+
 class PostgresDatabase(Database):
-    """A PostgreSQL database through a small asyncpg pool."""
+    """A PostgreSQL database through a small asyncpg pool.
+
+    Every wait for the server is bounded: a statement by ``statement_seconds``, the wait for a
+    connection (a free one of the pool, or a new one opened) by ``acquire_seconds``. Either
+    expired fails as :class:`~schemas.TransportError`, "did not answer within N s"."""
 
     dialect: Dialect = "postgres"
 
-    def __init__(self, dsn: str, *, pool_size: int = 4) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        pool_size: int = 4,
+        statement_seconds: float = STATEMENT_SECONDS,
+        acquire_seconds: float = ACQUIRE_SECONDS,
+    ) -> None:
         self.dsn = dsn
         self.display = redact(dsn)
         self._pool_size = pool_size
+        #: How long a statement waits for the server's answer (read at :meth:`connect`).
+        self.statement_seconds = statement_seconds
+        #: How long a statement waits for a connection (read at :meth:`connect`).
+        self.acquire_seconds = acquire_seconds
         self._pool: Any = None
+        #: Connections whose statement was given up, being ended (see :meth:`_finish`).
+        self._finishing: set[asyncio.Task[None]] = set()
 
     async def connect(self) -> None:
         try:
@@ -541,57 +596,155 @@ class PostgresDatabase(Database):
         if self._pool is not None:
             return
         try:
+            # command_timeout bounds every statement asyncpg sends, ours and its own (the
+            # reset of a connection given back, the goodbye at close, the CancelRequest for a
+            # statement given up); timeout, the opening of each connection.
             self._pool = await asyncpg.create_pool(
-                self.dsn, min_size=1, max_size=self._pool_size, timeout=10
+                self.dsn,
+                min_size=1,
+                max_size=self._pool_size,
+                timeout=self.acquire_seconds,
+                command_timeout=self.statement_seconds,
             )
         except asyncpg.InvalidCatalogNameError as exc:
             raise ConfigError(f"the database of {self.display} does not exist: {exc}") from exc
         except (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidPasswordError) as e:
             raise ConfigError(f"PostgreSQL refused the login for {self.display}: {e}") from e
-        except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        except TimeoutError as exc:
+            raise TransportError(
+                f"cannot reach PostgreSQL at {self.display}: no answer within "
+                f"{self.acquire_seconds:g} s"
+            ) from exc
+        except (OSError, asyncpg.PostgresError) as exc:
             raise TransportError(f"cannot reach PostgreSQL at {self.display}: {exc}") from exc
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
+        if pool is None:
+            return
+        if self._finishing:  # each within its bounds
+            await asyncio.gather(*self._finishing, return_exceptions=True)
+        try:
             await pool.close()
+        except TimeoutError:
+            # Each connection's goodbye waits statement_seconds for the server to end it;
+            # asyncpg then closes them all without it.
+            log.warning(
+                "PostgreSQL at %s did not answer within %g s when its connections were "
+                "closed: closed without its answer",
+                self.display,
+                self.statement_seconds,
+            )
 
     def _require(self) -> Any:
         if self._pool is None:
             raise RuntimeError("open the database first (async with ...)")
         return self._pool
 
+    def _no_answer(self, seconds: float, what: str) -> TransportError:
+        return TransportError(
+            f"PostgreSQL at {self.display} did not answer within {seconds:g} s: {what}"
+        )
+
+    @contextlib.asynccontextmanager
+    async def _connection(
+        self, *, transaction: bool = False, seconds: float | None = None
+    ) -> AsyncIterator[Any]:
+        """A connection of the pool for one statement, or for a transaction (committed when
+        the block ends, rolled back when it fails); every failure as ours
+        (:func:`_postgres_failure`). ``seconds``: the bound of its statements, for the
+        message.
+
+        A statement given up (it timed out, or its task was cancelled) fails at once, and
+        its connection is ended in the background (:meth:`_finish`): asyncpg cancels the
+        statement with a CancelRequest, which opens another connection to the server, and
+        the connection cannot serve again until the server acknowledges it. When the server
+        does not answer, neither does the CancelRequest: waiting for it here (as asyncpg's
+        own ROLLBACK and the pool's release do) held the caller one bound longer. A
+        connection that met a read-only server is closed, not given back to the pool (see
+        :data:`_UNAVAILABLE_STATES`)."""
+        import asyncpg
+
+        pool = self._require()
+        try:
+            conn = await pool.acquire(timeout=self.acquire_seconds)
+        except TimeoutError as exc:
+            raise self._no_answer(
+                self.acquire_seconds, "no connection to it (none of the pool's free, none opened)"
+            ) from exc
+        except asyncpg.PostgresError as exc:
+            raise _postgres_failure(self.display, exc) from exc
+        except (OSError, asyncpg.InterfaceError) as exc:
+            raise TransportError(f"PostgreSQL at {self.display}: {exc}") from exc
+        try:
+            try:
+                if transaction:
+                    await conn.execute("BEGIN")
+                try:
+                    yield conn
+                except BaseException as exc:
+                    if transaction and not _given_up(exc) and not conn.is_closed():
+                        await conn.execute("ROLLBACK")
+                    raise
+                if transaction:
+                    await conn.execute("COMMIT")
+            except BaseException as exc:
+                if _given_up(exc):
+                    task = asyncio.create_task(self._finish(pool, conn, rollback=transaction))
+                    self._finishing.add(task)
+                    task.add_done_callback(self._finishing.discard)
+                    if isinstance(exc, TimeoutError):
+                        bound = self.statement_seconds if seconds is None else seconds
+                        raise self._no_answer(bound, "the statement is given up") from exc
+                    raise
+                if _sqlstate(exc) == _READ_ONLY:
+                    conn.terminate()
+                # Given back to the pool: asyncpg resets it first (one statement, bounded by
+                # acquire_seconds), or closes it when it failed.
+                await pool.release(conn)
+                raise
+            await pool.release(conn)
+        except TransportError:
+            raise
+        except TimeoutError as exc:
+            raise self._no_answer(
+                self.acquire_seconds, "the reset of a connection given back (it is closed)"
+            ) from exc
+        except asyncpg.PostgresError as exc:
+            raise _postgres_failure(self.display, exc) from exc
+        except (OSError, asyncpg.InterfaceError) as exc:
+            raise TransportError(f"PostgreSQL at {self.display}: {exc}") from exc
+
+    async def _finish(self, pool: Any, conn: Any, *, rollback: bool) -> None:
+        """End a connection whose statement was given up: wait for asyncpg's CancelRequest to
+        be acknowledged (a live server ends the statement and its locks at once; left
+        running, it held them until done), roll back, give the connection back to the pool.
+        When the server does not answer, asyncpg closes the connection instead, after
+        ``statement_seconds`` (the CancelRequest's bound) or ``acquire_seconds`` (the
+        release's): never given back waiting for an answer."""
+        with contextlib.suppress(Exception):
+            if rollback and not conn.is_closed():
+                await conn.execute("ROLLBACK")
+        with contextlib.suppress(Exception):
+            await pool.release(conn)
+
     async def execute(self, sql: str, *args: object) -> int:
         async with self.transaction() as tx:
             return await tx.execute(sql, *args)
 
     async def fetch(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
-        import asyncpg
-
-        try:
-            rows = await self._require().fetch(_numbered(sql), *args)
-        except asyncpg.PostgresError as exc:
-            raise _postgres_failure(self.display, exc) from exc
-        except (OSError, asyncpg.InterfaceError) as exc:
-            raise TransportError(f"PostgreSQL at {self.display}: {exc}") from exc
+        async with self._connection() as conn:
+            rows = await conn.fetch(_numbered(sql), *args)
         return [tuple(row) for row in rows]
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Executor]:
-        import asyncpg
-
-        try:
-            async with self._require().acquire() as conn, conn.transaction():
-                yield _PostgresTransaction(conn)
-        except asyncpg.PostgresError as exc:
-            raise _postgres_failure(self.display, exc) from exc
-        except (OSError, asyncpg.InterfaceError) as exc:
-            raise TransportError(f"PostgreSQL at {self.display}: {exc}") from exc
+        async with self._connection(transaction=True) as conn:
+            yield _PostgresTransaction(conn)
 
     async def script(self, ddl: str) -> None:
-        async with self.transaction() as tx:
-            assert isinstance(tx, _PostgresTransaction)
-            await tx._conn.execute(ddl)
+        async with self._connection(transaction=True, seconds=SCRIPT_SECONDS) as conn:
+            await conn.execute(ddl, timeout=SCRIPT_SECONDS)
 
 
 # ---------------------------------------------------------------------------------------- open
