@@ -21,9 +21,10 @@ pool, every wait for the server bounded (a statement by ``statement_seconds``, a
 statement refused), or :class:`~schemas.TransportError` when the server cannot be reached or
 cannot serve just now (unreachable, refusing connections, not answering within a bound, the
 connection lost, restarting or failing over, read-only after a failover:
-:func:`_postgres_failure`), which the fleet stream waits out instead of failing the message (see
-:func:`consumers._stream.dependency_unavailable`). :meth:`Database.write` commits statements
-that need no result of each other in one go.
+:func:`_postgres_failure`; a SQLite file locked by another process, a full disk, a file that
+cannot be written: :func:`_sqlite_failure`), which the fleet stream waits out instead of failing
+the message (see :func:`consumers._stream.dependency_unavailable`). :meth:`Database.write`
+commits statements that need no result of each other in one go.
 """
 
 from __future__ import annotations
@@ -165,9 +166,38 @@ MIN_SQLITE = (3, 35, 0)
 #: How long a statement waits for another process's lock on a SQLite file.
 BUSY_SECONDS = 10.0
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+#: SQLite's primary result codes that say the file cannot be used just now, not that the
+#: statement is refused: another process holds its lock past ``busy_seconds`` (BUSY, LOCKED: a
+#: service sharing the file, a backup, an upgrade), the disk is full (FULL), the file or its
+#: journal cannot be read, written or opened (IOERR, READONLY, CANTOPEN: a disk failing or
+#: remounted read-only, a permission changed). Each passes or needs the operator, and every
+#: message meanwhile would fail alike; as refusals each was the message's fault (retried,
+#: redelivered, dead-lettered: an audit losing what arrived while the disk was full). So they
+#: are the database unavailable (:class:`~schemas.TransportError`), which the stream waits out
+#: in place, saying so. A constraint, a value too large, a type: still the statement's.
+_UNAVAILABLE_CODES = frozenset(
+    {
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_READONLY,
+        sqlite3.SQLITE_CANTOPEN,
+    }
+)
 #: How often a SQLite database's background connection moves the write-ahead log into the
 #: database file (see :class:`SqliteDatabase`).
 CHECKPOINT_SECONDS = 1.0
+
+
+def _sqlite_failure(display: str, exc: sqlite3.Error) -> RelayError:
+    """A SQLite failure as ours: :class:`~schemas.TransportError` when the file cannot be used
+    just now (:data:`_UNAVAILABLE_CODES`), else :class:`DatabaseError` (the statement refused).
+    Extended codes carry the primary one in their low byte (SQLITE_IOERR_SHORT_READ...)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int) and code & 0xFF in _UNAVAILABLE_CODES:
+        return TransportError(f"SQLite {display} cannot be used just now: {exc}")
+    return DatabaseError(f"{display}: {exc}")
 
 
 def _sqlite_value(value: object) -> object:
@@ -451,7 +481,7 @@ class SqliteDatabase(Database):
             try:
                 yield _SqliteTransaction(self)
             except sqlite3.Error as exc:
-                raise DatabaseError(f"{self.display}: {exc}") from exc
+                raise _sqlite_failure(self.display, exc) from exc
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Executor]:
@@ -465,7 +495,7 @@ class SqliteDatabase(Database):
                     raise
                 await self._call(_commit)
             except sqlite3.Error as exc:
-                raise DatabaseError(f"{self.display}: {exc}") from exc
+                raise _sqlite_failure(self.display, exc) from exc
 
     async def script(self, ddl: str) -> None:
         async with self._statement():

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from consumers._db import DatabaseError, SqliteDatabase, WriteConflict, as_time, open_database
+from schemas import TransportError
 
 pytestmark = pytest.mark.asyncio
 
@@ -106,7 +107,8 @@ async def test_a_full_database_says_so_and_takes_the_next_write_once_there_is_ro
     """A full disk (here SQLite's own page limit) rolls the whole transaction back inside
     SQLite. The error that reaches the caller is that one ("database or disk is full"): before,
     the rollback that followed failed as well ("no transaction is active") and its error hid
-    the cause from the operator."""
+    the cause from the operator. It is the database unavailable (TransportError: the stream
+    waits until there is room), not a refusal of the message."""
     async with open_database(str(tmp_path / "state.db")) as db:
         await db.script("CREATE TABLE t (k TEXT PRIMARY KEY, v BLOB);")
         pages = (await db.fetch("PRAGMA page_count"))[0][0]
@@ -119,7 +121,7 @@ async def test_a_full_database_says_so_and_takes_the_next_write_once_there_is_ro
                 for sql, args in (small, large):
                     await tx.execute(sql, *args)
 
-        with pytest.raises(DatabaseError, match="database or disk is full"):
+        with pytest.raises(TransportError, match="database or disk is full"):
             await (db.write([small, large]) if how == "write" else in_a_transaction())
         assert await db.fetch("SELECT k FROM t") == []
 
