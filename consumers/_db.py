@@ -629,9 +629,14 @@ class PostgresDatabase(Database):
             # command_timeout bounds every statement asyncpg sends, ours and its own (the
             # reset of a connection given back, the goodbye at close, the CancelRequest for a
             # statement given up); timeout, the opening of each connection.
+            # One connection opened now (a wrong DSN or login is a setting, said at start),
+            # none kept as a floor: asyncpg reopens a floor in the background, logging a
+            # traceback at each failed try for as long as an outage lasts; a statement opens
+            # what it needs, and its failure is the statement's (the database unavailable).
             self._pool = await asyncpg.create_pool(
                 self.dsn,
-                min_size=1,
+                init_size=1,
+                min_size=0,
                 max_size=self._pool_size,
                 timeout=self.acquire_seconds,
                 command_timeout=self.statement_seconds,

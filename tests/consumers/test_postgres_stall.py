@@ -292,3 +292,28 @@ async def test_a_read_only_postgresql_is_waited_out_and_the_write_made_once_it_c
     assert sorted(rows) == sorted((m.vm.name, m.id) for m in messages)
     assert dead == []
     assert service.stream.stats.dead_lettered == 0
+
+
+async def test_an_outage_is_said_once_by_the_stream_not_every_second_by_the_pool(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL goes away (the proxy resets the connections and refuses new ones). Before,
+    asyncpg's pool kept trying to reopen its one-connection floor in the background and logged
+    a warning with a whole traceback at each try ("Failed to restore the pool connection
+    floor", after 1, 2, 4... s) for as long as the outage lasted, beside the stream's own
+    words. Now the pool keeps no floor: a connection is opened when a statement needs one,
+    whose failure is the statement's (the database unavailable), and the pool says nothing."""
+    caplog.set_level(logging.WARNING, logger="asyncpg")
+    async with (
+        TcpProxy("127.0.0.1", urlsplit(postgres_url).port or 5432) as proxy,
+        _stallable(proxy, postgres_url) as db,
+    ):
+        await db.fetch("SELECT 1")
+        await proxy.cut()
+        failure = await _failure_within(db.fetch("SELECT 1"), "a read")
+        await asyncio.sleep(3.5)  # the floor's tries came after 1 and 2 more seconds
+        await proxy.restore()
+        assert await db.fetch("SELECT 1") == [(1,)]
+    assert isinstance(failure, TransportError), repr(failure)
+    pool_said = [r.getMessage() for r in caplog.records if r.name.startswith("asyncpg")]
+    assert pool_said == []
