@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import uuid
 from typing import Any
 
 import aio_pika
@@ -55,6 +56,8 @@ ALTERNATE_EXCHANGE = "alternate-exchange"
 _PREFETCH = 256
 _IDLE = 1.0
 _CLOSE_TIMEOUT = 5.0
+#: How often the drain asks whether RabbitMQ applied its last rejection.
+_POLL = 0.05
 
 
 def events_exchange_arguments(channels: ChannelNames) -> dict[str, Any]:
@@ -113,6 +116,12 @@ async def drain(
     without a delivery (another consumer drained the rest); ``step_timeout`` bounds each broker
     round trip. A failure (no read permission on the
     queue, the link lost) is logged and leaves the rest for the next declaration.
+
+    The channel closes only once RabbitMQ has applied every rejection (:func:`_applied`): while
+    ``quorum_commands_soft_limit`` (32) of a channel's commands to a quorum queue wait to be
+    applied (a loaded broker), RabbitMQ holds the channel's further acks and rejections back,
+    and drops them if the channel closes; a drain that closed right after its last rejection
+    gave those messages back to the queue, to wait there for the next group declaration.
     """
     channel = aio_pika.Channel(connection, publisher_confirms=False)
     drained = 0
@@ -132,13 +141,14 @@ async def drain(
             group,
         )
         tags: asyncio.Queue[int] = asyncio.Queue()
+        consumer = f"drain-{uuid.uuid4().hex}"
 
         async def delivered(message: aiormq.abc.DeliveredMessage) -> None:
             tags.put_nowait(message.delivery_tag or 0)
 
         async with asyncio.timeout(step_timeout):
             await raw.basic_qos(prefetch_count=min(pending, _PREFETCH))
-            await raw.basic_consume(name, delivered, no_ack=False)
+            await raw.basic_consume(name, delivered, no_ack=False, consumer_tag=consumer)
         while drained < pending:
             try:
                 async with asyncio.timeout(_IDLE):
@@ -151,6 +161,18 @@ async def drain(
                 drained += 1
             # Rejected, not requeued: dead-lettered into the stream. One frame for the batch.
             await raw.basic_nack(tag, multiple=True, requeue=False)
+        async with asyncio.timeout(step_timeout):
+            await raw.basic_cancel(consumer)
+        # What came after the last rejection (every delivery is in by the CancelOk): handed on
+        # while the count allows, the rest back to the queue for the next declaration.
+        late = [tags.get_nowait() for _ in range(tags.qsize())]
+        handed = late[: pending - drained]
+        if handed:
+            await raw.basic_nack(handed[-1], multiple=True, requeue=False)
+            drained += len(handed)
+        if len(late) > len(handed):
+            await raw.basic_nack(late[-1], multiple=True, requeue=True)
+        await _applied(raw, name, declared.consumer_count or 0, step_timeout)
     except asyncio.CancelledError as exc:
         if not is_spurious_cancel(exc):
             raise
@@ -175,3 +197,30 @@ async def drain(
             except FAILURES as exc:
                 log.debug("closing the drain channel of %r failed (%s)", name, reason(exc))
     return drained
+
+
+async def _applied(
+    raw: aiormq.abc.AbstractChannel,
+    name: str,
+    others: int,
+    timeout: float,  # noqa: ASYNC109
+) -> None:
+    """Wait until RabbitMQ applied every ack and rejection of the drain's cancelled consumer
+    on the quorum queue ``name``: the queue counts it among its consumers until then. There
+    were ``others`` consumers before the drain's. Longer than ``timeout`` is logged (the
+    channel then closes all the same, and what RabbitMQ still held goes back to the queue)."""
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                declared = await raw.queue_declare(name, passive=True)
+                if (declared.consumer_count or 0) <= others:
+                    return
+                await asyncio.sleep(_POLL)
+    except TimeoutError:
+        log.warning(
+            "RabbitMQ had not applied every rejection of the drain of %r within %g s: the "
+            "messages it still holds go back there when the drain's channel closes, and wait "
+            "for the next group declaration",
+            name,
+            timeout,
+        )
