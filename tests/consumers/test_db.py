@@ -222,27 +222,16 @@ async def test_a_sqlite_file_another_process_keeps_locked_is_a_passing_failure_n
     waits its ``busy_seconds`` (10 by default) and then fails as a database error (exit 1: a
     restart tries again); a lock released in time costs only the wait."""
     import sqlite3
-    import sys
     import time
 
     from schemas import ConfigError
 
+    from .test_sqlite_unavailable import hold
+
     path = tmp_path / "shared.db"
     sqlite3.connect(path).close()
-    hold = (
-        "import sqlite3, sys, time\n"
-        "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-        "c.execute('BEGIN EXCLUSIVE')\n"
-        "print('held', flush=True)\n"
-        "time.sleep(float(sys.argv[2]))\n"
-        "c.execute('COMMIT')\n"
-    )
-    holder = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", hold, str(path), "3", stdout=asyncio.subprocess.PIPE
-    )
+    holder = await hold(path, 3)
     try:
-        assert holder.stdout is not None
-        assert (await holder.stdout.readline()).strip() == b"held"
         refused = SqliteDatabase(path, busy_seconds=0.5)
         with pytest.raises(DatabaseError, match="stayed locked by another process") as caught:
             await refused.connect()

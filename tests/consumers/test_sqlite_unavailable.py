@@ -24,8 +24,8 @@ from schemas import TransportError
 from schemas.transport import MemoryTransport
 from schemas.wire import lifecycle_message
 
-from ._factory import event, transition, vm
 from .test_dependency_outage import _until
+from .test_postgres_stall import _messages
 
 #: How long the other process holds the file: several of the stream's tries, each waiting
 #: ``BUSY`` for the lock.
@@ -42,21 +42,15 @@ _HOLD = (
 )
 
 
-async def _hold(path: Path, seconds: float) -> asyncio.subprocess.Process:
-    """Another process holding ``path`` locked (``BEGIN EXCLUSIVE``) for ``seconds``."""
+async def hold(path: Path, seconds: float) -> asyncio.subprocess.Process:
+    """Another process holding the SQLite file ``path`` locked (``BEGIN EXCLUSIVE``) for
+    ``seconds``, once it holds it."""
     holder = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _HOLD, str(path), str(seconds), stdout=asyncio.subprocess.PIPE
     )
     assert holder.stdout is not None
     assert (await holder.stdout.readline()).strip() == b"held"
     return holder
-
-
-def _messages(first: int, count: int) -> list[Any]:
-    return [
-        transition("scheduled", event(f"EVT-{i}"), vm(f"web-{i}"))
-        for i in range(first, first + count)
-    ]
 
 
 async def test_a_statement_on_a_file_another_process_keeps_locked_is_the_database_unavailable(
@@ -67,7 +61,7 @@ async def test_a_statement_on_a_file_another_process_keeps_locked_is_the_databas
     path = tmp_path / "shared.db"
     async with SqliteDatabase(path, busy_seconds=BUSY) as db:
         await db.script("CREATE TABLE t (x INTEGER);")
-        holder = await _hold(path, 1.5)
+        holder = await hold(path, 1.5)
         try:
             with pytest.raises(TransportError, match="locked"):
                 await db.write([("INSERT INTO t (x) VALUES (?)", (1,))])
@@ -108,7 +102,7 @@ async def test_the_audit_waits_out_a_locked_sqlite_file_and_loses_nothing(
                 published.append(message)
                 await transport.publish(lifecycle_message(message))
             assert await _until(stored, 10)
-            holder = await _hold(path, HOLD_SECONDS)
+            holder = await hold(path, HOLD_SECONDS)
             for message in _messages(2, 4):
                 published.append(message)
                 await transport.publish(lifecycle_message(message))
@@ -125,9 +119,7 @@ async def test_the_audit_waits_out_a_locked_sqlite_file_and_loses_nothing(
     assert service.stream.stats.reconnects == 0  # waited in place: no redelivery
     assert service.stream.stats.waited > 0
     assert recovered, said
-    assert sorted((row[0], row[1]) for row in rows) == sorted(
-        (m.vm.name, m.id) for m in published
-    )
+    assert sorted((row[0], row[1]) for row in rows) == sorted((m.vm.name, m.id) for m in published)
     assert any("unavailable" in line or "cannot be reached" in line for line in said), said
 
 
@@ -137,7 +129,7 @@ def test_the_holder_really_locks_the_file(tmp_path: Path) -> None:
     sqlite3.connect(path).close()
 
     async def probe() -> None:
-        holder = await _hold(path, 1.0)
+        holder = await hold(path, 1.0)
         try:
             conn = sqlite3.connect(path, timeout=0.1)
             with pytest.raises(sqlite3.OperationalError, match="locked"):

@@ -5,14 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from publisher import Agent, AgentSettings
 from publisher.simulator import Simulator, SimulatorConfig, SimulatorServer, serve
-from schemas import Approval, LifecycleMessage, MessageType, decode, new_approval, sign
+from schemas import (
+    Approval,
+    LifecycleMessage,
+    MessageType,
+    ReplyAddress,
+    ScheduledEventsDocument,
+    TransitionMessage,
+    VmIdentity,
+    decode,
+    diff,
+    new_approval,
+    sign,
+)
 from schemas.channels import ChannelNames
 from schemas.transport import Transport, open_transport
 
@@ -152,3 +165,33 @@ def signed_approval(
         event_id, vm, decided_by=decided_by, event_version=version_of(simulator, event_id)
     )
     return sign(approval, key)
+
+
+def scheduled_freezes(event_ids: Sequence[str], vm: str = "web-7") -> list[TransitionMessage]:
+    """The ``scheduled`` transitions of Freezes ``event_ids`` on ``vm``, as its agent builds
+    them (from one document that lists them all), in the order of ``event_ids``."""
+    document = ScheduledEventsDocument.from_imds(
+        {
+            "DocumentIncarnation": 1,
+            "Events": [
+                {
+                    "EventId": event_id,
+                    "EventStatus": "Scheduled",
+                    "EventType": "Freeze",
+                    "Resources": [vm],
+                    "NotBefore": "",
+                }
+                for event_id in event_ids
+            ],
+        }
+    )
+    built = {
+        t.event.event_id: TransitionMessage.build(
+            t,
+            vm=VmIdentity(name=vm),
+            reply_to=ReplyAddress(channel="approvals", key=vm),
+            observed_at=datetime.now(UTC),
+        )
+        for t in diff(None, document)
+    }
+    return [built[event_id] for event_id in event_ids]

@@ -13,7 +13,6 @@ import shlex
 import sqlite3
 import sys
 from collections.abc import AsyncIterator, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -25,42 +24,20 @@ from publisher._state import STATE_FILE, StateStore
 from schemas import (
     HookResultMessage,
     ReplyAddress,
-    ScheduledEventsDocument,
     TransitionMessage,
     VmIdentity,
     decode,
-    diff,
 )
 from schemas.transitions import TransitionKind
+
+from .harness import scheduled_freezes
 
 SCHEDULED = frozenset({TransitionKind.SCHEDULED})
 
 
 def _transition(event_id: str) -> TransitionMessage:
     """The ``scheduled`` transition of a Freeze on web-7, as the agent builds it."""
-    document = ScheduledEventsDocument.from_imds(
-        {
-            "DocumentIncarnation": 1,
-            "Events": [
-                {
-                    "EventId": event_id,
-                    "EventStatus": "Scheduled",
-                    "EventType": "Freeze",
-                    "Resources": ["web-7"],
-                    "NotBefore": "",
-                }
-            ],
-        }
-    )
-    (message,) = [
-        TransitionMessage.build(
-            t,
-            vm=VmIdentity(name="web-7"),
-            reply_to=ReplyAddress(channel="approvals", key="web-7"),
-            observed_at=datetime.now(UTC),
-        )
-        for t in diff(None, document)
-    ]
+    (message,) = scheduled_freezes([event_id])
     return message
 
 

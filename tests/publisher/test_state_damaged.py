@@ -14,7 +14,6 @@ import logging
 import sqlite3
 import sys
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,8 @@ from publisher.simulator import EventSpec, EventType
 from schemas import (
     HookResultMessage,
     MessageType,
-    ReplyAddress,
-    ScheduledEventsDocument,
     TransitionKind,
     TransitionMessage,
-    VmIdentity,
-    diff,
 )
 from schemas.channels import ChannelNames
 from schemas.messages import expected_id
@@ -41,6 +36,7 @@ from .harness import (
     eventually,
     recorder,
     running,
+    scheduled_freezes,
     settings_for,
     simulator_server,
 )
@@ -54,31 +50,9 @@ def _memory(name: str) -> Broker:
 
 def _transitions(count: int) -> list[TransitionMessage]:
     """``count`` transitions of web-7 (one Scheduled Freeze each), as the agent builds them."""
-    document = ScheduledEventsDocument.from_imds(
-        {
-            "DocumentIncarnation": 1,
-            "Events": [
-                {
-                    "EventId": f"E{n}",
-                    "EventStatus": "Scheduled",
-                    "EventType": "Freeze",
-                    "Resources": ["web-7"],
-                    "NotBefore": "",
-                }
-                for n in range(count)
-            ],
-        }
+    return sorted(
+        scheduled_freezes([f"E{n}" for n in range(count)]), key=lambda m: m.data.event.event_id
     )
-    messages = [
-        TransitionMessage.build(
-            t,
-            vm=VmIdentity(name="web-7"),
-            reply_to=ReplyAddress(channel="approvals", key="web-7"),
-            observed_at=datetime.now(UTC),
-        )
-        for t in diff(None, document)
-    ]
-    return sorted(messages, key=lambda m: m.data.event.event_id)
 
 
 def _sql(state: Path, *statements: str) -> None:

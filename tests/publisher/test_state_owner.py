@@ -15,7 +15,6 @@ import asyncio
 import logging
 import sqlite3
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -25,16 +24,12 @@ from publisher._state import STATE_FILE, StateStore
 from publisher.simulator import EventSpec, EventType
 from schemas import (
     MessageType,
-    ReplyAddress,
-    ScheduledEventsDocument,
     TransitionMessage,
-    VmIdentity,
-    diff,
 )
 from schemas.channels import ChannelNames
 
 from .conftest import Broker
-from .harness import recorder, running, settings_for, simulator_server
+from .harness import recorder, running, scheduled_freezes, settings_for, simulator_server
 from .test_state_corrupt import _meta
 from .test_state_damaged import UNREADABLE_META, _sql
 
@@ -47,28 +42,8 @@ def _memory(name: str) -> Broker:
 def _left_behind(vm: str) -> TransitionMessage:
     """A transition of ``vm`` as its agent builds one (a Scheduled Freeze of an event only this
     test knows), to leave unsent in an outbox."""
-    event_id = f"LEFT-BEHIND-{uuid.uuid4().hex[:8].upper()}"
-    document = ScheduledEventsDocument.from_imds(
-        {
-            "DocumentIncarnation": 1,
-            "Events": [
-                {
-                    "EventId": event_id,
-                    "EventStatus": "Scheduled",
-                    "EventType": "Freeze",
-                    "Resources": [vm],
-                    "NotBefore": "",
-                }
-            ],
-        }
-    )
-    (transition,) = diff(None, document)
-    return TransitionMessage.build(
-        transition,
-        vm=VmIdentity(name=vm),
-        reply_to=ReplyAddress(channel="approvals", key=vm),
-        observed_at=datetime.now(UTC),
-    )
+    (message,) = scheduled_freezes([f"LEFT-BEHIND-{uuid.uuid4().hex[:8].upper()}"], vm)
+    return message
 
 
 async def _leave_unsent(state: Path, vm: str) -> TransitionMessage:
