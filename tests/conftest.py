@@ -7,9 +7,12 @@ set it fails instead, saying which service and how to start it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -76,3 +79,37 @@ def _isolated_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.startswith(("SE_RELAY_", "SCHEDULED_EVENTS_")):
             monkeypatch.delenv(name, raising=False)
     return
+
+
+@pytest.fixture(autouse=True)
+def _broker_wide_alone(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """A test marked ``broker_wide`` changes a setting of the whole RabbitMQ node for a while
+    (one no test can scope to its own entities), so it runs while no other test of this run
+    uses RabbitMQ, in any worker: it holds a lock file exclusively, every test that uses the
+    broker (the ``amqp_url`` fixture) holds it shared. A gate before it lets the exclusive one
+    in once the tests under way end (a steady stream of shared holders cannot starve it)."""
+    alone = request.node.get_closest_marker("broker_wide") is not None
+    if not alone and "amqp_url" not in request.fixturenames:
+        yield
+        return
+    # The workers of one xdist run share the parent of their base temp directories.
+    where = Path(tmp_path_factory.getbasetemp()).parent
+    with (
+        (where / "rabbitmq-gate.lock").open("a") as gate,
+        (where / "rabbitmq.lock").open("a") as held,
+    ):
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_EX)  # no new user of the broker from here on
+            fcntl.flock(held, fcntl.LOCK_EX)  # once the ones under way are done
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)
+            fcntl.flock(held, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)

@@ -100,6 +100,7 @@ async def _arrived(amqp_url: str, queue: str, count: int) -> int:
     return await _depth(amqp_url, queue)
 
 
+@pytest.mark.broker_wide  # the soft limit is the node's: no other test may meet it meanwhile
 @pytest.mark.usefixtures("cleanup")
 async def test_a_backlog_is_handed_on_by_one_declaration_while_rabbitmq_holds_rejections_back(
     amqp_url: str, channels: ChannelNames
