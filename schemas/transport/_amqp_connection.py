@@ -66,9 +66,38 @@ _AIORMQ_DUPLICATE = "error when creating transport: %r"
 _RECONNECT_FAILED = 'Connection attempt to "%s" failed: %s. Reconnecting after %r seconds.'
 
 
+#: aiormq logs this at WARNING with the reader's error and two chained tracebacks whenever a
+#: connection's reader ends: at every lost link (the broker restarting, a network cut), which
+#: the transport says in one line ("lost the link to RabbitMQ ...: reconnecting"). Kept for
+#: what is not a lost connection (a malformed frame: ``InvalidFrameError``).
+_READER_EXITED = "Cancelling cause reader exited abnormally"
+#: aio-pika logs this at ERROR when a callback fails. A robust channel's close callback
+#: (``RobustChannel._on_close``) reopens the channel at once, which fails when the connection
+#: is the one that was lost ("No active transport in channel", "... closed"): one ERROR per
+#: channel at every lost link, for a channel the connection reopens when it is back.
+_CALLBACK_FAILED = "Callback %r error: %s: %s"
+_REOPEN_FAILURES = frozenset({"ChannelInvalidStateError", "RuntimeError"})
+
+
 class _DropDuplicates(logging.Filter):
+    """aiormq's records that repeat what the transport says (a failed connect, a lost link)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == _READER_EXITED and record.exc_info:
+            return not isinstance(record.exc_info[1], ConnectionError)
         return record.msg != _AIORMQ_DUPLICATE
+
+
+class _DropChannelReopenOnLostLink(logging.Filter):
+    """aio-pika's ERROR for a robust channel that could not reopen on a lost connection."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.msg != _CALLBACK_FAILED or not isinstance(args, tuple) or len(args) != 3:
+            return True
+        callback = getattr(args[0], "callback", None)
+        reopen = getattr(callback, "__func__", None) is aio_pika.RobustChannel._on_close
+        return not (reopen and args[1] in _REOPEN_FAILURES)
 
 
 class _OncePerReason(logging.Filter):
@@ -87,6 +116,7 @@ class _OncePerReason(logging.Filter):
 
 logging.getLogger("aiormq.connection").addFilter(_DropDuplicates())
 logging.getLogger("aio_pika.robust_connection").addFilter(_OncePerReason())
+logging.getLogger("aio_pika.tools").addFilter(_DropChannelReopenOnLostLink())
 
 
 class RelayConnection(aio_pika.RobustConnection):
