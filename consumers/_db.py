@@ -177,8 +177,7 @@ _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 #: in place, saying so. A constraint, a value too large, a type: still the statement's.
 _UNAVAILABLE_CODES = frozenset(
     {
-        sqlite3.SQLITE_BUSY,
-        sqlite3.SQLITE_LOCKED,
+        *_BUSY,
         sqlite3.SQLITE_FULL,
         sqlite3.SQLITE_IOERR,
         sqlite3.SQLITE_READONLY,
