@@ -22,7 +22,7 @@ from ._fleet import VM_NAME_PATTERN
 from ._identity import DEFAULT_SUBSCRIPTION_ID, Placement
 from ._scenario import Scenario, load_scenario, shipped_scenarios
 from ._scenario_runner import run_scenario
-from ._server import serve
+from ._server import DEFAULT_KEEP_ALIVE_SECONDS, serve
 from ._simulator import Simulator
 from ._topology import Topology, load_topology
 
@@ -246,6 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="delay of each VM's first Scheduled Events call (Azure: up to 120; default 0)",
     )
     parser.add_argument(
+        "--keep-alive-seconds",
+        type=_positive_int,
+        default=DEFAULT_KEEP_ALIVE_SECONDS,
+        metavar="SECONDS",
+        help=(
+            "close a connection idle this long between two requests (default %(default)s;"
+            " Azure does not document its IMDS's). VMs polling less often reconnect for every"
+            " request: above their poll interval, a simulator serving many of them accepts"
+            " fewer connections"
+        ),
+    )
+    parser.add_argument(
         "--subscription-id",
         default=DEFAULT_SUBSCRIPTION_ID,
         help="subscriptionId in instance metadata (default %(default)s)",
@@ -372,18 +384,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SimulatorError, ValueError) as exc:
         parser.error(str(exc))  # exits with status 2
     try:
-        return asyncio.run(_serve(simulator, args.host, args.port, scenario))
+        return asyncio.run(
+            _serve(simulator, args.host, args.port, scenario, args.keep_alive_seconds)
+        )
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return _EXIT_FAILURE
 
 
-async def _serve(simulator: Simulator, host: str, port: int, scenario: Scenario | None) -> int:
+async def _serve(
+    simulator: Simulator,
+    host: str,
+    port: int,
+    scenario: Scenario | None,
+    keep_alive_seconds: int = DEFAULT_KEEP_ALIVE_SECONDS,
+) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    async with serve(simulator, host, port) as server:
+    async with serve(simulator, host, port, keep_alive_seconds=keep_alive_seconds) as server:
         print(f"listening on {server.base_url}", flush=True)
         shard = simulator.config.shard
         log.info(

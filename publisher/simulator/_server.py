@@ -20,9 +20,12 @@ import uvicorn
 from ._app import create_app
 from ._simulator import Simulator
 
-__all__ = ["SimulatorServer", "serve"]
+__all__ = ["DEFAULT_KEEP_ALIVE_SECONDS", "SimulatorServer", "serve"]
 
 log = logging.getLogger(__name__)
+
+#: How long an idle connection is kept by default (uvicorn's own default).
+DEFAULT_KEEP_ALIVE_SECONDS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +96,20 @@ async def serve(
     *,
     startup_timeout: float = 10.0,
     shutdown_timeout: float = 5.0,
+    keep_alive_seconds: int = DEFAULT_KEEP_ALIVE_SECONDS,
 ) -> AsyncIterator[SimulatorServer]:
     """Serve ``simulator`` over HTTP (uvicorn, as a task in this loop) until the block exits.
 
     ``port`` 0 picks a free port; the yielded :class:`SimulatorServer` tells which. Raises
     OSError when the address cannot be bound, TimeoutError when the server does not start in
     ``startup_timeout`` seconds. On exit, open connections get ``shutdown_timeout`` seconds.
+    ``keep_alive_seconds``: how long a connection may stay idle between two requests before
+    the server closes it (uvicorn's 5 s by default; Azure does not document its IMDS's). A
+    client polling less often than that opens a connection for every request: with many
+    slow-polling VMs on one machine, set it above their poll interval.
     """
+    if keep_alive_seconds < 1:
+        raise ValueError(f"keep_alive_seconds must be at least 1, not {keep_alive_seconds}")
     sock = _bind(host, port)
     bound_port = int(sock.getsockname()[1])
     app = create_app(simulator)
@@ -110,6 +120,7 @@ async def serve(
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=max(1, round(shutdown_timeout)),
+        timeout_keep_alive=keep_alive_seconds,
         backlog=2048,
     )
     server = _Server(config)

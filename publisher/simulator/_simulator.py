@@ -218,6 +218,10 @@ class Simulator:
             e.snapshot() for e in self._ledger.all_events() if state is None or e.state is state
         ]
 
+    def state_counts(self) -> dict[EventState, int]:
+        """How many remembered events are in each state (none copied: cheap to ask often)."""
+        return dict(Counter(e.state for e in self._ledger.all_events()))
+
     def approve(self, vm: str, event_ids: Iterable[str]) -> None:
         """What ``POST {"StartRequests": [...]}`` from ``vm`` does: any VM that sees an event (its
         Resources and the rest of their sets) may approve it for all of Resources.

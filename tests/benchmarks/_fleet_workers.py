@@ -109,7 +109,8 @@ async def run_sim(spec: dict[str, Any]) -> None:
         ),
     )
     sim = Simulator(config, topology=Topology.fleet(**spec["topology"]))
-    async with serve(sim, port=0, shutdown_timeout=2) as server:
+    keep_alive = spec.get("keep_alive", 5)
+    async with serve(sim, port=0, shutdown_timeout=2, keep_alive_seconds=keep_alive) as server:
         _say(url=server.base_url, vms=len(sim.served_vm_names()))
         async for command in _commands():
             op = command["op"]
@@ -130,8 +131,7 @@ async def run_sim(spec: dict[str, Any]) -> None:
                     )
                 _say(added=len(mine), seconds=round(time.time() - began, 3))
             elif op == "progress":
-                counts = Counter(e.state.value for e in sim.events())
-                _say(**counts)
+                _say(**{state.value: n for state, n in sim.state_counts().items()})
             elif op == "report":
                 wanted = set(command["ids"]) if "ids" in command else None
                 events = {

@@ -114,6 +114,14 @@ class Plan:
         return self.agent_workers or max(1, math.ceil(self.vms / AGENTS_PER_WORKER))
 
     @property
+    def keep_alive_seconds(self) -> int:
+        """How long the simulator keeps an idle connection: past two poll intervals, so a VM
+        polling slowly reuses its connection as it does at 1 Hz, instead of the simulator
+        accepting one for every poll (Azure's IMDS is not on this machine; here its CPU is
+        taken from what is measured)."""
+        return max(5, math.ceil(2 * self.poll_interval) + 1)
+
+    @property
     def ramp_seconds(self) -> float:
         return self.ramp or max(5.0, self.vms / 100)
 
@@ -391,7 +399,7 @@ async def _run(
     for k, shard in enumerate(shards):
         await shard.start(
             {"shard": k, "shards": plan.shards, "seed": plan.seed, "rate_limit": plan.rate_limit,
-             "topology": topology}
+             "topology": topology, "keep_alive": plan.keep_alive_seconds}
         )  # fmt: skip
     urls = [(await shard.recv(120))["url"] for shard in shards]
     print(f"{plan.shards} simulator shard(s) serving {plan.vms} VMs", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -21,6 +22,30 @@ from publisher.simulator import (
 )
 
 HEADERS = {"Metadata": "true"}
+
+
+async def idle_then_ask_again(port: int, idle: float) -> bytes:
+    """One GET on a new connection, ``idle`` seconds of quiet, then a second GET on the same
+    connection: what the server answers it (b"" when it closed the connection meanwhile)."""
+    request = (
+        b"GET /metadata/scheduledevents?api-version=2020-07-01 HTTP/1.1\r\n"
+        b"Host: imds\r\nMetadata: true\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        await asyncio.sleep(idle)
+        try:
+            writer.write(request)
+            return await asyncio.wait_for(reader.read(12), timeout=5)
+        except ConnectionError:
+            return b""
+    finally:
+        writer.close()
 
 
 @dataclass

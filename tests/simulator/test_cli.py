@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from publisher.simulator import AttestationCa
 from publisher.simulator.__main__ import main
 
-from .conftest import HEADERS
+from .conftest import HEADERS, idle_then_ask_again
 
 SE = "/metadata/scheduledevents?api-version=2020-07-01"
 
@@ -232,6 +232,14 @@ async def test_a_given_attestation_ca(tmp_path: Path) -> None:
     assert "not a PEM certificate" in err
 
 
+async def test_keep_alive_seconds_reaches_the_server() -> None:
+    async with simulator_process("--keep-alive-seconds", "1") as (process, url):
+        port = int(url.rsplit(":", 1)[1])
+        assert await idle_then_ask_again(port, 1.6) == b""  # closed after 1 s, not uvicorn's 5
+        process.terminate()
+        assert await asyncio.wait_for(process.wait(), timeout=10) == 0
+
+
 async def test_a_bad_flag_exits_2_with_a_message() -> None:
     code, out, err = await run_cli("--bogus")
     assert code == 2
@@ -247,6 +255,7 @@ async def test_a_bad_flag_exits_2_with_a_message() -> None:
         (["--port", "70000"], "--port: must be 0..65535"),
         (["--rate-limit", "-1"], "--rate-limit: must be >= 0"),
         (["--first-call-delay", "x"], "--first-call-delay: not a number"),
+        (["--keep-alive-seconds", "0"], "--keep-alive-seconds: must be >= 1"),
         (["--vm", "bad/name"], "--vm: bad VM name"),
         (["--scenario", "no-such"], "no such file, nor a shipped scenario"),
         (["--scale-sets", "0"], "--scale-sets: must be >= 1"),
@@ -312,6 +321,7 @@ async def test_help_explains_every_flag() -> None:
         "--list-scenarios",
         "--rate-limit",
         "--first-call-delay",
+        "--keep-alive-seconds",
         "--subscription-id",
         "--resource-group",
         "--location",

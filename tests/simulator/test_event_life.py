@@ -211,3 +211,17 @@ async def test_user_events_carry_their_source(harness: Harness) -> None:
         "x",
         -1,
     )
+
+
+async def test_state_counts_tell_how_many_events_are_in_each_state(
+    harness: Harness, clock: ManualClock
+) -> None:
+    """What a fleet's progress is asked from, often: every remembered event counted by state."""
+    assert harness.sim.state_counts() == {}
+    for _ in range(3):
+        harness.sim.add_event(EventSpec(event_type=EventType.FREEZE, resources=("vm0",)))
+    started = harness.sim.add_event(EventSpec(event_type=EventType.REBOOT, resources=("vm1",)))
+    harness.sim.start_event(started.event_id)
+    assert harness.sim.state_counts() == {EventState.SCHEDULED: 3, EventState.STARTED: 1}
+    clock.advance(3600)  # the Freezes' NotBefore and every run are past: all of them over
+    assert harness.sim.state_counts() == {EventState.COMPLETED: 4}

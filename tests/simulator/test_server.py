@@ -11,7 +11,7 @@ import pytest
 
 from publisher.simulator import Simulator, create_app, serve
 
-from .conftest import HEADERS
+from .conftest import HEADERS, idle_then_ask_again
 
 SE = "/metadata/scheduledevents?api-version=2020-07-01"
 
@@ -59,6 +59,18 @@ async def test_exit_with_an_open_keep_alive_connection_is_prompt() -> None:
         started = loop.time()
     assert loop.time() - started < 3
     await client.aclose()
+
+
+async def test_an_idle_connection_is_kept_for_keep_alive_seconds() -> None:
+    """A VM polling less often than the server keeps its connection opens one per poll: the
+    keep-alive is the server's to choose (an IMDS stand-in serving many slow pollers)."""
+    async with serve(Simulator(vms=["a"]), keep_alive_seconds=1) as short:
+        assert await idle_then_ask_again(short.port, 1.6) == b""
+    async with serve(Simulator(vms=["a"]), keep_alive_seconds=4) as long:
+        assert await idle_then_ask_again(long.port, 1.6) == b"HTTP/1.1 200"
+    with pytest.raises(ValueError, match="keep_alive_seconds must be at least 1"):
+        async with serve(Simulator(vms=["a"]), keep_alive_seconds=0):
+            pass
 
 
 async def test_create_app_works_without_a_socket() -> None:
