@@ -12,8 +12,9 @@ request only after a complete answer that does not say ``Connection: close``, an
 after any failure or cancellation (so a deadline that cuts a request off never leaves a
 half-read answer for the next one). A request is sent once: a kept connection found closed
 before anything is written is not used, but one that drops after the request went out fails
-the request (:class:`HttpError`, not :class:`ConnectFailed`: it may have been taken), and the
-caller asks again through its limiter: IMDS's 5 requests a second are shared by every client on
+the request (:class:`HttpError`, not :class:`ConnectFailed`: it may have been taken;
+:class:`KeptConnectionDropped` when a kept connection ended before a byte of the answer, most
+likely let go by the server while idle), and the caller asks again through its limiter: IMDS's 5 requests a second are shared by every client on
 the VM, and a POST that IMDS read may have started an event. Deadlines are the caller's
 (``asyncio.timeout`` around :meth:`HttpClient.request`).
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["BodyTooLarge", "HttpClient", "HttpError", "Response"]
+__all__ = ["BodyTooLarge", "HttpClient", "HttpError", "KeptConnectionDropped", "Response"]
 
 #: Idle keep-alive connections kept (the watcher, an approval and the attestation may overlap).
 _MAX_IDLE = 2
@@ -51,6 +52,13 @@ class HttpError(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class KeptConnectionDropped(HttpError):
+    """A kept connection ended before a byte of the answer came back: most likely the server
+    let it go while it was idle (its keep-alive ran out) and never read the request, but it may
+    have read it. Only a request that may be sent twice (a GET) is sent again, on a new
+    connection (``request(..., fresh=True)``)."""
 
 
 class ConnectFailed(HttpError):
@@ -142,8 +150,10 @@ class HttpClient:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         max_body: int,
+        fresh: bool = False,
     ) -> Response:
-        """Send one request (``target``: path and query) and read the whole answer."""
+        """Send one request (``target``: path and query) and read the whole answer; ``fresh``:
+        on a new connection, not a kept one."""
         head = f"{method} {target} HTTP/1.1\r\n{self._fixed}"
         for name, value in (headers or {}).items():
             head += f"{name}: {value}\r\n"
@@ -153,7 +163,7 @@ class HttpClient:
         # Never sent twice: the server may have read (and acted on) a request on a connection
         # it then dropped, and a second send would be a request its caller's limiter never
         # counted. Only a connection known closed before anything is written is passed over.
-        connection = self._take() or await self._connect()
+        connection = (None if fresh else self._take()) or await self._connect()
         return await self._exchange(connection, raw, max_body)
 
     async def _exchange(self, connection: _Connection, raw: bytes, max_body: int) -> Response:
@@ -165,8 +175,12 @@ class HttpClient:
                 connection.writer.write(raw)
                 head = await connection.reader.readuntil(b"\r\n\r\n")
             except (ConnectionError, asyncio.IncompleteReadError) as exc:
-                kept = " (a kept connection: the server may have let it go)" if reused else ""
-                raise HttpError(f"the connection dropped before an answer{kept}: {exc!r}") from exc
+                if reused and not getattr(exc, "partial", b""):
+                    raise KeptConnectionDropped(
+                        "the connection dropped before an answer (a kept connection: the "
+                        f"server may have let it go): {exc!r}"
+                    ) from exc
+                raise HttpError(f"the connection dropped before an answer: {exc!r}") from exc
             except asyncio.LimitOverrunError as exc:
                 raise HttpError(f"the answer's headers exceed {_HEAD_LIMIT} bytes") from exc
             status, headers, keep = _parse_head(head)

@@ -40,7 +40,14 @@ from schemas import (
 from schemas._backoff import Backoff
 from schemas.messages import loads, parse_json
 
-from ._http import BodyTooLarge, ConnectFailed, HttpClient, HttpError
+from ._http import (
+    BodyTooLarge,
+    ConnectFailed,
+    HttpClient,
+    HttpError,
+    KeptConnectionDropped,
+    Response,
+)
 from ._poller import RequestLimiter
 
 __all__ = ["RETRYABLE_KINDS", "ImdsClient", "with_retries"]
@@ -129,9 +136,8 @@ class ImdsClient:
         params: dict[str, str] | None = None,
     ) -> bytes:
         """One request under one overall deadline; the answer's body (at most ``max_body``)."""
-        await self.limiter.acquire()
-        if self._on_request is not None:
-            self._on_request(url.removeprefix(self.base_url + "/metadata/"))
+        endpoint = url.removeprefix(self.base_url + "/metadata/")
+        await self._admit(endpoint)
         # The first Scheduled Events call enables the service and may take two minutes.
         deadline = self.timeout if self._answered else self.first_timeout
         what = f"IMDS {method} {url}"
@@ -141,15 +147,20 @@ class ImdsClient:
             if params
             else _version_query(api_version)
         )
+        target = f"{path}?{query}"
         try:
             async with asyncio.timeout(deadline):
-                response = await self._client.request(
-                    method,
-                    f"{path}?{query}",
-                    body=body,
-                    headers={"Content-Type": "application/json"} if body is not None else None,
-                    max_body=self.max_body,
-                )
+                try:
+                    response = await self._send(method, target, body)
+                except KeptConnectionDropped as exc:
+                    if method != "GET":
+                        raise  # IMDS may have read it: a POST is never sent twice
+                    # IMDS most likely let the connection go while it was idle (this loop
+                    # stalled past its keep-alive): asked again now on a new connection, as
+                    # a request of its own for the VM's budget.
+                    log.debug("%s: %s; asked again on a new connection", what, exc)
+                    await self._admit(endpoint)
+                    response = await self._send(method, target, body, fresh=True)
         except TimeoutError as exc:
             # The deadline may also pass while connecting, before anything went out: counted as
             # unanswered all the same, the side that never calls a started event canceled.
@@ -190,6 +201,24 @@ class ImdsClient:
                 f"{what} answered {status}: {content[:200]!r}{hint}", status=status, kind=kind
             )
         return content
+
+    async def _admit(self, endpoint: str) -> None:
+        """Every request IMDS may receive waits for the VM's budget and is counted."""
+        await self.limiter.acquire()
+        if self._on_request is not None:
+            self._on_request(endpoint)
+
+    async def _send(
+        self, method: str, target: str, body: bytes | None, *, fresh: bool = False
+    ) -> Response:
+        return await self._client.request(
+            method,
+            target,
+            body=body,
+            headers={"Content-Type": "application/json"} if body is not None else None,
+            max_body=self.max_body,
+            fresh=fresh,
+        )
 
     async def scheduled_events(self) -> ScheduledEventsDocument:
         """One GET of the document (no retry: the poller decides when to ask again)."""
