@@ -14,9 +14,11 @@ half-read answer for the next one). A request is sent once: a kept connection fo
 before anything is written is not used, but one that drops after the request went out fails
 the request (:class:`HttpError`, not :class:`ConnectFailed`: it may have been taken;
 :class:`KeptConnectionDropped` when a kept connection ended before a byte of the answer, most
-likely let go by the server while idle), and the caller asks again through its limiter: IMDS's 5 requests a second are shared by every client on
-the VM, and a POST that IMDS read may have started an event. Deadlines are the caller's
-(``asyncio.timeout`` around :meth:`HttpClient.request`).
+likely let go by the server while idle), and the caller asks again through its limiter:
+IMDS's 5 requests a second are shared by every client on the VM, and a POST that IMDS read
+may have started an event (so the caller sends one with ``fresh=True``, never on a kept
+connection). Deadlines are the caller's (``asyncio.timeout`` around
+:meth:`HttpClient.request`).
 
 >>> client = HttpClient("http://169.254.169.254", headers={"Metadata": "true"})
 >>> response = await client.request("GET", "/metadata/scheduledevents?api-version=2020-07-01",

@@ -151,7 +151,9 @@ class ImdsClient:
         try:
             async with asyncio.timeout(deadline):
                 try:
-                    response = await self._send(method, target, body)
+                    # A POST on a connection of its own: on a kept one, IMDS may have let it
+                    # go meanwhile, and a POST that meets that may have been taken.
+                    response = await self._send(method, target, body, fresh=method == "POST")
                 except KeptConnectionDropped as exc:
                     if method != "GET":
                         raise  # IMDS may have read it: a POST is never sent twice

@@ -5,6 +5,7 @@ sockets on loopback (:mod:`.rawimds`) stand in for IMDS."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -141,21 +142,29 @@ async def test_every_request_imds_receives_went_through_the_limiter() -> None:
     assert not failed, f"a poll asked again on a new connection still failed: {failed[:1]}"
 
 
-async def test_a_post_imds_received_and_dropped_on_a_kept_connection_may_have_started() -> None:
-    """A POST StartRequests that went out whole on a kept connection and got no answer may have
-    started the event, even when IMDS takes no new connection after (before, the client sent
-    it again, the new connection was refused, and the POST was reported as never sent)."""
+async def test_a_post_imds_received_and_dropped_may_have_started() -> None:
+    """A POST StartRequests that went out whole and got no answer may have started the event,
+    even when IMDS takes no new connection after (before, the client sent it again, the new
+    connection was refused, and the POST was reported as never sent). It goes on a connection
+    of its own, never a kept one IMDS may have let go meanwhile."""
     posts: list[bytes] = []
+    connections: list[int] = []
     servers: list[asyncio.Server] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)  # the GET: answered, the connection kept
-        writer.write(ok(DOCUMENT))
-        await writer.drain()
-        servers[0].close()  # IMDS goes away for new connections
-        _, body = await read_request(reader)  # the POST arrives whole...
-        posts.append(body)
-        writer.close()  # ...and the connection drops before any answer
+        connections.append(len(connections))
+        try:
+            head, body = await read_request(reader)
+            if head.startswith(b"GET"):  # answered, the connection kept
+                writer.write(ok(DOCUMENT))
+                await writer.drain()
+                with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                    await read_request(reader)  # nothing more comes on it
+                return
+            servers[0].close()  # IMDS goes away for new connections
+            posts.append(body)  # the POST arrived whole...
+        finally:
+            writer.close()  # ...and the connection drops before any answer
 
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
     servers.append(server)
@@ -170,6 +179,7 @@ async def test_a_post_imds_received_and_dropped_on_a_kept_connection_may_have_st
         server.close()
     assert len(posts) == 1
     assert b"StartRequests" in posts[0]
+    assert len(connections) == 2  # the GET's, kept; the POST's own
     assert caught.value.unanswered, f"a POST IMDS received is reported never sent: {caught.value}"
 
 
@@ -242,7 +252,9 @@ async def test_a_poll_on_a_connection_imds_let_go_while_the_agent_was_stalled_is
     (a VM under load, just when maintenance comes) finds out only by sending its next poll on
     it. That poll is asked again at once on a new connection, through the limiter (IMDS counts
     it), instead of failing, warning and backing off: a Freeze starts and ends within seconds.
-    A POST is never sent twice (IMDS may have read it: see the tests above)."""
+    A POST, never sent twice (IMDS may have read it: see the tests above), goes on a connection
+    of its own: before, after a stall it failed as "may have been taken" and the approval was
+    looked at again and POSTed again after a backoff."""
     received: list[bytes] = []
 
     async def keep_alive_one_second(
@@ -286,14 +298,13 @@ async def test_a_poll_on_a_connection_imds_let_go_while_the_agent_was_stalled_is
             document = await client.scheduled_events()
             assert document.events == ()
             stall(1.5)
-            with pytest.raises(ImdsError) as caught:
-                await client.start_events(["E1"])
-            assert caught.value.unanswered
+            await client.start_events(["E1"])  # taken: not sent on the connection let go
         finally:
             await client.aclose()
     finally:
         stop.set()
         thread.join(5)
-    assert received == [b"GET", b"GET"]  # the first poll, the second on a new connection
+    # The first poll, the second on a new connection, the POST on one of its own.
+    assert received == [b"GET", b"GET", b"POST"]
     # Both polls, the second's retry and the POST went through the limiter.
     assert sent == ["scheduledevents"] * 4
