@@ -904,6 +904,16 @@ class ApproverService:
                     await self.sender.send(pending.approval, pending.address)
                 except (PublishNotConfirmed, TransportError) as exc:
                     return exc
+                except Exception as exc:
+                    # Not the transport's words (a library's surprise): the send's outcome is
+                    # unknown, so the approval is kept and sent again, as after a lost link;
+                    # before, it ended the detached send unseen and the batch went unsettled.
+                    log.exception(
+                        "approval %s for %s: sending it failed unexpectedly; kept, sent again",
+                        pending.approval.approval_id,
+                        pending.approval.vm,
+                    )
+                    return TransportError(f"sending approval failed: {exc!r}")
                 return None
 
         return await asyncio.gather(*(send(pending) for pending in approvals))

@@ -22,6 +22,7 @@ __all__ = [
     "LINK_ERRORS",
     "MESSAGE_REFUSALS",
     "REFUSALS",
+    "closed_without_error",
     "config_error",
     "initialized",
     "is_spurious_cancel",
@@ -78,6 +79,14 @@ _TOPIC = re.compile(r"access to topic '(.*)' in exchange '(.*)' in vhost '.*' re
 _USER_ID = re.compile(r"user_id property set to '(.*)' but authenticated user was")
 
 _INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'")
+
+
+def closed_without_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is what aiormq fails every future still waiting on a connection or
+    channel with when it ended without an error (closed from this side: its reader stops at
+    the broker's Close-Ok and passes no error on): a bare ``Exception``, the link gone like any
+    of :data:`FAILURES`."""
+    return type(exc) is Exception and not exc.args
 
 
 def is_spurious_cancel(exc: asyncio.CancelledError) -> bool:
@@ -172,6 +181,8 @@ def _finished_late(task: asyncio.Future[Any], then: Callable[[], Awaitable[objec
 
 def reason(exc: BaseException) -> str:
     """The broker's own words where it gave some, else the exception's text."""
+    if closed_without_error(exc):
+        return "the connection was closed"
     args = getattr(exc, "args", ())
     for arg in args:
         reply_text = getattr(arg, "reply_text", None)

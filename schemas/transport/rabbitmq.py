@@ -87,6 +87,7 @@ from ._amqp_errors import (
     FAILURES,
     MESSAGE_REFUSALS,
     REFUSALS,
+    closed_without_error,
     config_error,
     initialized,
     is_spurious_cancel,
@@ -402,6 +403,10 @@ class RabbitMQTransport(AsyncResource):
                 failure = exc
             except FAILURES as exc:
                 failure = exc
+            except Exception as exc:
+                if not closed_without_error(exc):
+                    raise
+                failure = exc  # the connection ended without an error: as a lost link
             else:
                 if attempt:
                     log.info("%s published after %d interrupted attempt(s)", what, attempt)

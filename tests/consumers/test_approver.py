@@ -524,6 +524,43 @@ async def test_with_a_database_an_approval_a_lost_link_stopped_goes_out_without_
     assert approval.vm == name
 
 
+class _Surprise(MemoryTransport):
+    """A transport whose first approval send fails with a bare ``Exception()``: what aiormq
+    fails a publish waiting for its confirm with when its connection ended without an error
+    (the fault storm met it; the transport now takes it for a lost link, see
+    ``tests/transport/test_rabbitmq_closed_quietly.py``). The in-memory broker stands in for any
+    library's surprise the transport does not know yet."""
+
+    def __init__(self) -> None:
+        super().__init__(f"approver-{uuid.uuid4().hex}")
+        self.failures = 0
+
+    async def send_approval(self, to: ReplyAddress, message: OutgoingMessage) -> None:
+        if not self.failures:
+            self.failures += 1
+            raise Exception()  # exactly what the library raised
+        await super().send_approval(to, message)
+
+
+async def test_an_approval_whose_send_fails_unexpectedly_is_sent_again(tmp_path, caplog):
+    """Before, the unexpected error ended the approver's detached send task ("Task exception
+    was never retrieved" in the fault storm) and its batch went unsettled: the approval stayed
+    ``sending`` until another approver took over."""
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'central.db'}")
+    async with _Surprise() as surprising, ledger:
+        service = ApproverService(surprising, generate_signing_key(), db=ledger.db)
+        [name] = await _user_reboots(surprising, 1)
+        runner = asyncio.create_task(service.run())
+        try:
+            approval = await next_approval(surprising, name, within=5)
+        finally:
+            service.stop()
+            await asyncio.wait_for(runner, 5)
+    assert surprising.failures == 1
+    assert approval.vm == name
+    assert any("sending it failed unexpectedly" in r.getMessage() for r in caplog.records)
+
+
 async def test_the_sender_needs_a_vm_for_an_event_it_never_heard_of(transport):
     sender = ApprovalSender(transport, generate_signing_key(), fleet=FleetView())
     with pytest.raises(NoApprovalTarget, match="name the VM"):
