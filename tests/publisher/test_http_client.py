@@ -260,16 +260,18 @@ async def test_a_poll_on_a_connection_imds_let_go_while_the_agent_was_stalled_is
     async def keep_alive_one_second(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        while True:
-            try:
-                async with asyncio.timeout(1.0):  # the server's keep-alive
-                    head, _ = await read_request(reader)
-            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-                break
-            received.append(head.split(b" ", 2)[0])
-            writer.write(ok(DOCUMENT))
-            await writer.drain()
-        writer.close()
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(1.0):  # the server's keep-alive
+                        head, _ = await read_request(reader)
+                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                    break
+                received.append(head.split(b" ", 2)[0])
+                writer.write(ok(DOCUMENT))
+                await writer.drain()
+        finally:  # also when the thread's loop ends and cancels it: closed in that loop
+            writer.close()
 
     # IMDS in a thread of its own: the test stalls its own loop, as a loaded agent's stalls.
     ready: asyncio.Queue[int] = asyncio.Queue()
