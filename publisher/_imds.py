@@ -223,7 +223,8 @@ class ImdsClient:
         )
 
     async def scheduled_events(self) -> ScheduledEventsDocument:
-        """One GET of the document (no retry: the poller decides when to ask again)."""
+        """One GET of the document (no retry: the poller decides when to ask again; only a GET
+        sent on a kept connection IMDS let go is asked again at once, see :meth:`_request`)."""
         raw = await self._request("GET", self._events_url, self.api_version)
         if self._last is not None and self._last[0] == raw:
             self._answered = True

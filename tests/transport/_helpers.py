@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
+from schemas.channels import ChannelNames
 from schemas.transport import Delivery, OutgoingMessage
+from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
 
-__all__ = ["assert_nothing", "outgoing", "receive"]
+from .proxy import TcpProxy
+
+__all__ = ["assert_nothing", "outgoing", "proxied_rabbitmq", "receive"]
 
 
 def outgoing(
@@ -47,3 +54,25 @@ async def assert_nothing(subscription: Any, seconds: float = 0.5) -> None:
         raise AssertionError(f"unexpected message {delivery.message_id}: {delivery.body!r}")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def proxied_rabbitmq(
+    amqp_url: str, unique: str, settings: AmqpSettings, *, within: float = 60
+) -> AsyncIterator[tuple[TcpProxy, RabbitMQTransport]]:
+    """A RabbitMQ transport (channels suffixed ``unique``) connected through a
+    :class:`~.proxy.TcpProxy` the test cuts, pauses or resets; its group ``g`` and exchanges are
+    deleted afterwards, and the whole is bounded by ``within`` seconds."""
+    split = urlsplit(amqp_url)
+    async with (
+        asyncio.timeout(within),
+        TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
+    ):
+        through = split._replace(netloc=f"{split.username}:{split.password}@127.0.0.1:{proxy.port}")
+        channels = ChannelNames().suffixed(unique)
+        transport = RabbitMQTransport(through.geturl(), channels, settings=settings)
+        async with transport:
+            try:
+                yield proxy, transport
+            finally:
+                await transport.delete_topology(groups=["g"], exchanges=True)

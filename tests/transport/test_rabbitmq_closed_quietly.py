@@ -8,16 +8,12 @@ broker through a TCP proxy that holds the confirm back while the connection is c
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit
 
 import pytest
 
-from schemas.channels import ChannelNames
-from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
+from schemas.transport.rabbitmq import AmqpSettings
 
-from ._helpers import outgoing, receive
-from .proxy import TcpProxy
-from .test_rabbitmq import _through
+from ._helpers import outgoing, proxied_rabbitmq, receive
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -25,31 +21,21 @@ pytestmark = pytest.mark.rabbitmq
 async def test_a_publish_on_a_connection_closed_without_an_error_is_sent_again(
     amqp_url: str, unique: str
 ) -> None:
-    split = urlsplit(amqp_url)
-    channels = ChannelNames().suffixed(unique)
     settings = AmqpSettings(connect_timeout=2, reconnect_timeout=20, confirm_timeout=5)
-    async with (
-        asyncio.timeout(60),
-        TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
-    ):
-        transport = RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=settings)
-        async with transport:
-            try:
-                await transport.declare_group("g")
-                async with transport.subscribe("g", prefetch=4) as subscription:
-                    _, channel = transport._require()
-                    connection = (await channel.get_underlay_channel()).connection
-                    proxy.pause()  # the confirm is held back: the publish waits for it
-                    publishing = asyncio.create_task(transport.publish(outgoing("held")))
-                    await asyncio.sleep(0.3)
-                    # aiormq's own close with no error, as its reader passes on at a Close-Ok.
-                    closing = asyncio.create_task(connection.close(None))
-                    await asyncio.sleep(0.3)
-                    proxy.resume()
-                    await publishing  # before: raised Exception()
-                    await asyncio.gather(closing, return_exceptions=True)
-                    delivery = await receive(subscription, within=20)
-                    assert delivery.body == b"held"
-                    await delivery.ack()
-            finally:
-                await transport.delete_topology(groups=["g"], exchanges=True)
+    async with proxied_rabbitmq(amqp_url, unique, settings) as (proxy, transport):
+        await transport.declare_group("g")
+        async with transport.subscribe("g", prefetch=4) as subscription:
+            _, channel = transport._require()
+            connection = (await channel.get_underlay_channel()).connection
+            proxy.pause()  # the confirm is held back: the publish waits for it
+            publishing = asyncio.create_task(transport.publish(outgoing("held")))
+            await asyncio.sleep(0.3)
+            # aiormq's own close with no error, as its reader passes on at a Close-Ok.
+            closing = asyncio.create_task(connection.close(None))
+            await asyncio.sleep(0.3)
+            proxy.resume()
+            await publishing  # before: raised Exception()
+            await asyncio.gather(closing, return_exceptions=True)
+            delivery = await receive(subscription, within=20)
+            assert delivery.body == b"held"
+            await delivery.ack()

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from urllib.parse import urlsplit
 
 import pytest
 
-from schemas.channels import ChannelNames
-from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
+from schemas.transport.rabbitmq import AmqpSettings
 
-from ._helpers import outgoing, receive
-from .proxy import TcpProxy
-from .test_rabbitmq import _through
+from ._helpers import outgoing, proxied_rabbitmq, receive
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -27,28 +23,18 @@ async def test_a_lost_link_is_said_once_by_the_transport_not_with_the_libraries_
     amqp_url: str, unique: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    split = urlsplit(amqp_url)
-    channels = ChannelNames().suffixed(unique)
     settings = AmqpSettings(connect_timeout=2, reconnect_timeout=20, confirm_timeout=5)
-    async with (
-        asyncio.timeout(60),
-        TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
-    ):
-        transport = RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=settings)
-        async with transport:
-            try:
-                await transport.declare_group("g")
-                async with transport.subscribe("g", prefetch=4) as subscription:
-                    await transport.publish(outgoing("before"))
-                    await (await receive(subscription, within=10)).ack()
-                    caplog.clear()
-                    await proxy.cut()
-                    await asyncio.sleep(1.5)
-                    await proxy.restore()
-                    await transport.publish(outgoing("after"))  # waits for the link
-                    await (await receive(subscription, within=20)).ack()
-            finally:
-                await transport.delete_topology(groups=["g"], exchanges=True)
+    async with proxied_rabbitmq(amqp_url, unique, settings) as (proxy, transport):
+        await transport.declare_group("g")
+        async with transport.subscribe("g", prefetch=4) as subscription:
+            await transport.publish(outgoing("before"))
+            await (await receive(subscription, within=10)).ack()
+            caplog.clear()
+            await proxy.cut()
+            await asyncio.sleep(1.5)
+            await proxy.restore()
+            await transport.publish(outgoing("after"))  # waits for the link
+            await (await receive(subscription, within=20)).ack()
     # asyncio's own records are the test proxy's (its cut cancels its relaying tasks).
     said = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name != "asyncio"]
     lines = [f"{r.levelname} {r.name}: {_text(r)}" for r in said]
