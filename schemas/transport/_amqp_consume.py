@@ -37,6 +37,7 @@ from . import _amqp_properties  # noqa: F401
 from ._amqp_errors import (
     FAILURES,
     LINK_ERRORS,
+    closed_without_error,
     is_spurious_cancel,
     reason,
     unabandoned,
@@ -362,6 +363,11 @@ class AmqpSubscription:
         except FAILURES as exc:
             await self._close_channel(channel)
             raise TransportError(f"consuming {self.queue_name} failed: {reason(exc)}") from exc
+        except Exception as exc:
+            if not closed_without_error(exc):
+                raise
+            await self._close_channel(channel)
+            raise TransportError(f"consuming {self.queue_name} failed: link lost") from exc
         channel.reopen_callbacks.add(self._on_reopen)
         self._channel = channel
         self._started = True

@@ -157,7 +157,9 @@ async def initialized(channel: Any, timeout: float) -> None:  # noqa: ASYNC109
     not reconnected yet) aiormq raises a bare ``RuntimeError("<Connection ...> closed")``: that
     is a lost link, raised here as a :class:`ConnectionError` (one of :data:`LINK_ERRORS`), so
     that every caller waits and tries again as it does for any other. Uncaught, it ended an
-    agent whose link dropped between declaring its approvals queue and consuming it.
+    agent whose link dropped between declaring its approvals queue and consuming it. So is the
+    bare ``Exception`` of a connection that ended without an error
+    (:func:`closed_without_error`).
     """
     try:
         await unabandoned(channel.initialize(), timeout, then=channel.close)
@@ -165,6 +167,10 @@ async def initialized(channel: Any, timeout: float) -> None:  # noqa: ASYNC109
         if not str(exc).endswith(" closed"):
             raise
         raise ConnectionError(f"the link closed before a channel opened: {exc}") from exc
+    except Exception as exc:
+        if not closed_without_error(exc):
+            raise
+        raise ConnectionError("the connection was closed before a channel opened") from exc
 
 
 def _finished_late(task: asyncio.Future[Any], then: Callable[[], Awaitable[object]] | None) -> None:

@@ -487,6 +487,12 @@ class RabbitMQTransport(AsyncResource):
             raise TransportError(
                 f"declaring on RabbitMQ {self.display_url} failed: {reason(exc)}"
             ) from exc
+        except Exception as exc:
+            if not closed_without_error(exc):
+                raise
+            raise TransportError(
+                f"declaring on RabbitMQ {self.display_url}: link lost ({reason(exc)})"
+            ) from exc
 
     async def _queue_exists(self, name: str) -> bool:
         exists = True

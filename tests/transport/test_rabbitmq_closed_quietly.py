@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 
+from schemas import TransportError
 from schemas.transport.rabbitmq import AmqpSettings
 
 from ._helpers import outgoing, proxied_rabbitmq, receive
@@ -39,3 +40,31 @@ async def test_a_publish_on_a_connection_closed_without_an_error_is_sent_again(
             delivery = await receive(subscription, within=20)
             assert delivery.body == b"held"
             await delivery.ack()
+
+
+async def test_opening_a_subscription_on_a_connection_closed_without_an_error_is_a_lost_link(
+    amqp_url: str, unique: str
+) -> None:
+    """The same bare ``Exception`` reaches what waits for the broker's answer while a
+    subscription opens (its queue's declaration, its channel): a lost link, for the caller to
+    open it again (the agent's approvals loop does), not an error that ends the agent."""
+    settings = AmqpSettings(connect_timeout=2, reconnect_timeout=20, confirm_timeout=5)
+    async with proxied_rabbitmq(amqp_url, unique, settings) as (proxy, transport):
+        _, channel = transport._require()
+        connection = (await channel.get_underlay_channel()).connection
+        proxy.pause()  # the broker's answers are held back: the opening waits for them
+
+        async def open_approvals() -> None:
+            async with transport.approvals("web-1"):
+                pass
+
+        opening = asyncio.create_task(open_approvals())
+        await asyncio.sleep(0.3)
+        closing = asyncio.create_task(connection.close(None))
+        await asyncio.sleep(0.3)
+        proxy.resume()
+        with pytest.raises(TransportError):  # before: Exception()
+            await opening
+        await asyncio.gather(closing, return_exceptions=True)
+        await open_approvals()  # once the link is back, it opens
+        await transport.delete_topology(vms=["web-1"])
