@@ -37,8 +37,8 @@ from . import _amqp_properties  # noqa: F401
 from ._amqp_errors import (
     FAILURES,
     LINK_ERRORS,
-    closed_without_error,
     is_spurious_cancel,
+    lost_if_closed,
     reason,
     unabandoned,
     uninterrupted,
@@ -353,8 +353,9 @@ class AmqpSubscription:
         channel = await self._open_channel(self._prefetch)
         try:
             async with asyncio.timeout(self._start_timeout):
-                await self._attach(channel)
-                await self._consume(await channel.get_underlay_channel())
+                with lost_if_closed():
+                    await self._attach(channel)
+                    await self._consume(await channel.get_underlay_channel())
         except asyncio.CancelledError as exc:
             await self._close_channel(channel)
             if not is_spurious_cancel(exc):
@@ -363,11 +364,6 @@ class AmqpSubscription:
         except FAILURES as exc:
             await self._close_channel(channel)
             raise TransportError(f"consuming {self.queue_name} failed: {reason(exc)}") from exc
-        except Exception as exc:
-            if not closed_without_error(exc):
-                raise
-            await self._close_channel(channel)
-            raise TransportError(f"consuming {self.queue_name} failed: link lost") from exc
         channel.reopen_callbacks.add(self._on_reopen)
         self._channel = channel
         self._started = True

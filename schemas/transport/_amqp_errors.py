@@ -7,9 +7,10 @@ entity, a precondition, a permission) will not go away by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import aiormq.exceptions
@@ -22,10 +23,10 @@ __all__ = [
     "LINK_ERRORS",
     "MESSAGE_REFUSALS",
     "REFUSALS",
-    "closed_without_error",
     "config_error",
     "initialized",
     "is_spurious_cancel",
+    "lost_if_closed",
     "reason",
     "refused",
     "refuses",
@@ -81,12 +82,20 @@ _USER_ID = re.compile(r"user_id property set to '(.*)' but authenticated user wa
 _INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'")
 
 
-def closed_without_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is what aiormq fails every future still waiting on a connection or
-    channel with when it ended without an error (closed from this side: its reader stops at
-    the broker's Close-Ok and passes no error on): a bare ``Exception``, the link gone like any
-    of :data:`FAILURES`."""
-    return type(exc) is Exception and not exc.args
+@contextlib.contextmanager
+def lost_if_closed() -> Iterator[None]:
+    """Raise what aiormq fails every future still waiting on a connection or channel with when
+    it ended without an error (closed from this side: its reader stops at the broker's
+    Close-Ok and passes no error on), a bare ``Exception``, as a :class:`ConnectionError` (one
+    of :data:`LINK_ERRORS`): around an exchange with the broker, what catches
+    :data:`FAILURES` takes it as the lost link it is. Uncaught, it ended the approver's
+    approval sends and an agent opening its approvals subscription."""
+    try:
+        yield
+    except Exception as exc:
+        if type(exc) is not Exception or exc.args:
+            raise
+        raise ConnectionError("the connection was closed") from exc
 
 
 def is_spurious_cancel(exc: asyncio.CancelledError) -> bool:
@@ -158,19 +167,15 @@ async def initialized(channel: Any, timeout: float) -> None:  # noqa: ASYNC109
     is a lost link, raised here as a :class:`ConnectionError` (one of :data:`LINK_ERRORS`), so
     that every caller waits and tries again as it does for any other. Uncaught, it ended an
     agent whose link dropped between declaring its approvals queue and consuming it. So is the
-    bare ``Exception`` of a connection that ended without an error
-    (:func:`closed_without_error`).
+    bare ``Exception`` of a connection that ended without an error (:func:`lost_if_closed`).
     """
     try:
-        await unabandoned(channel.initialize(), timeout, then=channel.close)
+        with lost_if_closed():
+            await unabandoned(channel.initialize(), timeout, then=channel.close)
     except RuntimeError as exc:
         if not str(exc).endswith(" closed"):
             raise
         raise ConnectionError(f"the link closed before a channel opened: {exc}") from exc
-    except Exception as exc:
-        if not closed_without_error(exc):
-            raise
-        raise ConnectionError("the connection was closed before a channel opened") from exc
 
 
 def _finished_late(task: asyncio.Future[Any], then: Callable[[], Awaitable[object]] | None) -> None:
@@ -187,8 +192,6 @@ def _finished_late(task: asyncio.Future[Any], then: Callable[[], Awaitable[objec
 
 def reason(exc: BaseException) -> str:
     """The broker's own words where it gave some, else the exception's text."""
-    if closed_without_error(exc):
-        return "the connection was closed"
     args = getattr(exc, "args", ())
     for arg in args:
         reply_text = getattr(arg, "reply_text", None)

@@ -87,10 +87,10 @@ from ._amqp_errors import (
     FAILURES,
     MESSAGE_REFUSALS,
     REFUSALS,
-    closed_without_error,
     config_error,
     initialized,
     is_spurious_cancel,
+    lost_if_closed,
     reason,
     refused,
     refuses,
@@ -360,15 +360,16 @@ class RabbitMQTransport(AsyncResource):
                 # wait=False: the channel is held only while the frames are queued for the
                 # socket, not until it drained, so the publishes of many agents sharing a
                 # connection pipeline; each still waits for its own confirm (or return).
-                await underlay.basic_publish(
-                    message.body,
-                    exchange=exchange_name,
-                    routing_key=routing_key,
-                    properties=message.properties,
-                    mandatory=True,
-                    timeout=self.settings.confirm_timeout,
-                    wait=False,
-                )
+                with lost_if_closed():
+                    await underlay.basic_publish(
+                        message.body,
+                        exchange=exchange_name,
+                        routing_key=routing_key,
+                        properties=message.properties,
+                        mandatory=True,
+                        timeout=self.settings.confirm_timeout,
+                        wait=False,
+                    )
             except aiormq.exceptions.PublishError as exc:
                 problem = (
                     self.catch_all_problem
@@ -403,10 +404,6 @@ class RabbitMQTransport(AsyncResource):
                 failure = exc
             except FAILURES as exc:
                 failure = exc
-            except Exception as exc:
-                if not closed_without_error(exc):
-                    raise
-                failure = exc  # the connection ended without an error: as a lost link
             else:
                 if attempt:
                     log.info("%s published after %d interrupted attempt(s)", what, attempt)
@@ -471,7 +468,8 @@ class RabbitMQTransport(AsyncResource):
             await initialized(channel, self.settings.confirm_timeout)
             try:
                 async with asyncio.timeout(self.settings.confirm_timeout):
-                    await steps(channel)
+                    with lost_if_closed():
+                        await steps(channel)
             finally:
                 if not channel.is_closed:
                     # Declared already: a slow close (left to finish) fails nothing.
@@ -486,12 +484,6 @@ class RabbitMQTransport(AsyncResource):
         except FAILURES as exc:
             raise TransportError(
                 f"declaring on RabbitMQ {self.display_url} failed: {reason(exc)}"
-            ) from exc
-        except Exception as exc:
-            if not closed_without_error(exc):
-                raise
-            raise TransportError(
-                f"declaring on RabbitMQ {self.display_url}: link lost ({reason(exc)})"
             ) from exc
 
     async def _queue_exists(self, name: str) -> bool:
