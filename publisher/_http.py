@@ -16,9 +16,9 @@ the request (:class:`HttpError`, not :class:`ConnectFailed`: it may have been ta
 :class:`KeptConnectionDropped` when a kept connection ended before a byte of the answer, most
 likely let go by the server while idle), and the caller asks again through its limiter:
 IMDS's 5 requests a second are shared by every client on the VM, and a POST that IMDS read
-may have started an event (so the caller sends one with ``fresh=True``, never on a kept
-connection). Deadlines are the caller's (``asyncio.timeout`` around
-:meth:`HttpClient.request`).
+may have started an event (so the caller sends one on a kept connection only if it was idle a
+moment, ``max_idle``: one idle longer may be let go by the server just as it goes). Deadlines
+are the caller's (``asyncio.timeout`` around :meth:`HttpClient.request`).
 
 >>> client = HttpClient("http://169.254.169.254", headers={"Metadata": "true"})
 >>> response = await client.request("GET", "/metadata/scheduledevents?api-version=2020-07-01",
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +61,7 @@ class KeptConnectionDropped(HttpError):
     """A kept connection ended before a byte of the answer came back: most likely the server
     let it go while it was idle (its keep-alive ran out) and never read the request, but it may
     have read it. Only a request that may be sent twice (a GET) is sent again, on a new
-    connection (``request(..., fresh=True)``)."""
+    connection (``request(..., max_idle=0)``)."""
 
 
 class ConnectFailed(HttpError):
@@ -84,12 +85,14 @@ class Response:
 
 
 class _Connection:
-    __slots__ = ("reader", "used", "writer")
+    __slots__ = ("idle_since", "reader", "used", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.used = False
+        #: When its last answer was read (monotonic): how long it has been idle in the pool.
+        self.idle_since = 0.0
 
     @property
     def usable(self) -> bool:
@@ -136,12 +139,17 @@ class HttpClient:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         return _Connection(reader, writer)
 
-    def _take(self) -> _Connection | None:
+    def _take(self, max_idle: float | None) -> _Connection | None:
+        """The kept connection used last, if it is still open and (``max_idle``) was idle at
+        most that long (one idle longer stays kept, for a request that may take it)."""
         while self._idle:
-            connection = self._idle.pop()
-            if connection.usable:
-                return connection
-            connection.close()
+            connection = self._idle[-1]
+            if not connection.usable:
+                self._idle.pop().close()
+                continue
+            if max_idle is not None and time.monotonic() - connection.idle_since > max_idle:
+                return None
+            return self._idle.pop()
         return None
 
     async def request(
@@ -152,10 +160,11 @@ class HttpClient:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         max_body: int,
-        fresh: bool = False,
+        max_idle: float | None = None,
     ) -> Response:
-        """Send one request (``target``: path and query) and read the whole answer; ``fresh``:
-        on a new connection, not a kept one."""
+        """Send one request (``target``: path and query) and read the whole answer, on the
+        connection kept last, or a new one; ``max_idle``: on a kept one only if it was idle
+        at most that many seconds (0: always a new one)."""
         head = f"{method} {target} HTTP/1.1\r\n{self._fixed}"
         for name, value in (headers or {}).items():
             head += f"{name}: {value}\r\n"
@@ -165,7 +174,7 @@ class HttpClient:
         # Never sent twice: the server may have read (and acted on) a request on a connection
         # it then dropped, and a second send would be a request its caller's limiter never
         # counted. Only a connection known closed before anything is written is passed over.
-        connection = (None if fresh else self._take()) or await self._connect()
+        connection = self._take(max_idle) or await self._connect()
         return await self._exchange(connection, raw, max_body)
 
     async def _exchange(self, connection: _Connection, raw: bytes, max_body: int) -> Response:
@@ -211,6 +220,7 @@ class HttpClient:
             raise
         finally:
             if keep and len(self._idle) < _MAX_IDLE:
+                connection.idle_since = time.monotonic()
                 self._idle.append(connection)
             else:
                 connection.close()
