@@ -195,14 +195,22 @@ def _profiled(role: str) -> bool:
     )
 
 
+#: Which process a FLEET_TRACE line is from (an agent process: its first VM's name).
+_TRACE_LABEL = [""]
 #: How long each commit before an ack batch took (approver: its state and approval sends).
 _COMMITS: list[float] = []
 #: (detected, publish began, confirmed) of each ``scheduled`` message.
 _PUBLISHES: list[tuple[float, float, float]] = []
 #: (issued, handling began, fresh document, POST done) of each approval applied.
 _APPROVALS: list[tuple[float, float, float, float]] = []
+#: When each approval reached the agent process (aiormq's delivery), by message id; and
+#: (issued -> arrived, arrived -> handling began) of each.
+_ARRIVED: dict[str, float] = {}
+_ARRIVALS: list[tuple[float, float]] = []
 #: How long each IMDS request waited for the VM's request budget, by method.
 _LIMITER_WAITS: dict[str, list[float]] = {"GET": [], "POST": []}
+#: How long each IMDS exchange took once admitted (GET, POST), and each new connection.
+_EXCHANGES: dict[str, list[float]] = {}
 
 
 def _trace_publishes(transport: Any) -> None:
@@ -223,12 +231,23 @@ def _trace_publishes(transport: Any) -> None:
 
 def _trace_approvals() -> None:
     from publisher._approvals import ApprovalHandler
+    from schemas.transport._amqp_consume import AmqpSubscription
 
     check, apply = ApprovalHandler._check_event, ApprovalHandler._apply
     marks: dict[str, list[float]] = {}
+    delivered = AmqpSubscription._on_delivered
+
+    async def traced_delivered(self: Any, message: Any) -> None:
+        _ARRIVED[message.header.properties.message_id] = time.time()
+        await delivered(self, message)
+
+    AmqpSubscription._on_delivered = traced_delivered  # type: ignore[method-assign]
 
     async def traced_check(self: Any, approval: Any) -> Any:
         marks[approval.approval_id] = [approval.issued_at.timestamp(), time.time()]
+        arrived = _ARRIVED.pop(approval.approval_id, None)
+        if arrived is not None:
+            _ARRIVALS.append((arrived - approval.issued_at.timestamp(), time.time() - arrived))
         event = await check(self, approval)
         marks[approval.approval_id].append(time.time())
         return event
@@ -260,8 +279,39 @@ def _trace_limiter() -> None:
         await acquire(self)
         _LIMITER_WAITS.setdefault(method_of.get(), []).append(time.monotonic() - began)
 
+    from publisher._http import HttpClient
+
+    send, connect = ImdsClient._send, HttpClient._connect
+
+    async def traced_send(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        began = time.monotonic()
+        try:
+            return await send(self, method, *args, **kwargs)
+        finally:
+            _EXCHANGES.setdefault(method, []).append(time.monotonic() - began)
+
+    async def traced_connect(self: Any) -> Any:
+        began = time.monotonic()
+        try:
+            return await connect(self)
+        finally:
+            _EXCHANGES.setdefault("connect", []).append(time.monotonic() - began)
+
+    exchange = HttpClient._exchange
+
+    async def traced_exchange(self: Any, connection: Any, raw: bytes, max_body: int) -> Any:
+        began = time.monotonic()
+        try:
+            return await exchange(self, connection, raw, max_body)
+        finally:
+            kind = "POST" if raw.startswith(b"POST") else "GET"
+            _EXCHANGES.setdefault(f"{kind} exchange", []).append(time.monotonic() - began)
+
+    HttpClient._exchange = traced_exchange  # type: ignore[method-assign]
     ImdsClient._request = traced_request  # type: ignore[method-assign]
     RequestLimiter.acquire = traced_acquire  # type: ignore[method-assign]
+    ImdsClient._send = traced_send  # type: ignore[method-assign]
+    HttpClient._connect = traced_connect  # type: ignore[method-assign]
 
 
 def _trace(what: str, values: list[float], unit: str = "s") -> None:
@@ -271,8 +321,8 @@ def _trace(what: str, values: list[float], unit: str = "s") -> None:
     ordered = sorted(values)
     at = [ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)]
     print(
-        f"trace {what}: p50 {at[0]:.2f} p90 {at[1]:.2f} p99 {at[2]:.2f} max {ordered[-1]:.2f} "
-        f"{unit}",
+        f"trace{_TRACE_LABEL[0]} {what}: p50 {at[0]:.2f} p90 {at[1]:.2f} p99 {at[2]:.2f} "
+        f"max {ordered[-1]:.2f} {unit}",
         file=sys.stderr,
     )
 
@@ -281,10 +331,14 @@ def _trace_report() -> None:
     _trace("detected -> publish began", [b - d for d, b, _ in _PUBLISHES])
     _trace("publish began -> confirmed", [c - b for _, b, c in _PUBLISHES])
     _trace("approval issued -> handled", [b - i for i, b, _, _ in _APPROVALS])
+    _trace("approval issued -> in the agent process", [a for a, _ in _ARRIVALS])
+    _trace("approval in the agent process -> handled", [h for _, h in _ARRIVALS])
     _trace("handled -> fresh IMDS document", [f - b for _, b, f, _ in _APPROVALS])
     _trace("fresh document -> POST done", [p - f for _, _, f, p in _APPROVALS])
     for method, waits in _LIMITER_WAITS.items():
         _trace(f"IMDS {method}: wait for the VM's request budget", waits)
+    for what, took in _EXCHANGES.items():
+        _trace(f"IMDS {what}: took", took)
 
 
 async def run_agents(spec: dict[str, Any]) -> None:
@@ -297,6 +351,7 @@ async def run_agents(spec: dict[str, Any]) -> None:
     state_root = spec.get("state_root")
     shared = spec["agents_per_connection"] > 0
     vms: list[list[str]] = spec["vms"]  # [name, imds base url]
+    _TRACE_LABEL[0] = f" [agents from {vms[0][0]}]" if vms else ""
     transports = []
     if shared:
         count = math.ceil(len(vms) / spec["agents_per_connection"])
