@@ -85,6 +85,12 @@ _TIMEOUT = 120.0
 #: (4.x), and a consumer holds up to its prefetch of messages in memory before it can refuse
 #: one: 256 hostile messages of 128 MiB are 32 GiB in the approver.
 MAX_MESSAGE_SIZE = 512 * 1024
+#: The fewest open files the node should be allowed (its process's ``ulimit -n``): a connection
+#: per agent, a file per VM's approvals queue while an approval waits in it, with room to spare.
+#: Below its limit RabbitMQ takes no more connections; at the common default of 1,024 (927
+#: files, 832 connections) the busiest process of a 2,000-VM fleet run's broker was its file
+#: handle cache, and 2,000 classic queues v2 failed with ``emfile``.
+MIN_OPEN_FILES = 65536
 
 
 class SetupError(Exception):
@@ -429,6 +435,26 @@ def max_message_size_warning(ctl: Rabbitmqctl) -> str | None:
     )
 
 
+def open_files_warning(ctl: Rabbitmqctl) -> str | None:
+    """What to tell the operator when the node may hold fewer than :data:`MIN_OPEN_FILES` open
+    files (its process's ``ulimit -n``, which no vhost or ``rabbitmq.conf`` setting raises)."""
+    try:
+        status = json.loads(ctl.run("status", "--formatter", "json", mutating=False) or "{}")
+        limits = status["file_descriptors"]
+        total, sockets = int(limits["total_limit"]), int(limits["sockets_limit"])
+    except (SetupError, ValueError, TypeError, KeyError) as exc:
+        return f"could not read the broker's open-files limit ({exc!r})"
+    if total >= MIN_OPEN_FILES:
+        return None
+    return (
+        f"the broker node may hold {total:,} open files, {sockets:,} of them connections: each "
+        "agent holds a connection, and each VM's approvals queue a file while an approval waits "
+        f"in it, so a fleet needs about two per VM (RabbitMQ's production checklist: 50,000 or "
+        "more); short of them the node takes no more connections, and its classic queues churn "
+        "their files (3.x) or fail (classic queues v2: emfile)"
+    )
+
+
 def _vhost_exists(ctl: Rabbitmqctl, vhost: str) -> bool:
     return any(v.get("name") == vhost for v in ctl.json("list_vhosts"))
 
@@ -486,7 +512,15 @@ def _parser() -> argparse.ArgumentParser:
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--vhost", required=True, help="the relay's vhost")
 
-    vhost = commands.add_parser("vhost", help="create the vhost and its queue-length policies")
+    vhost = commands.add_parser(
+        "vhost",
+        help="create the vhost and its queue-length policies",
+        description="Create the vhost and its queue-length policies, then check two settings of "
+        "the node no vhost can set, and warn when either is short of a fleet's needs: the "
+        f"largest message it accepts (max_message_size, at most {MAX_MESSAGE_SIZE:,} bytes) "
+        f"and the open files its process may hold (ulimit -n, at least {MIN_OPEN_FILES:,}: a "
+        "connection per agent and a file per VM's approvals queue).",
+    )
     common(vhost)
     vhost.add_argument("--approvals-max-length", type=int, default=100, metavar="N")
     vhost.add_argument("--unrouted-max-length", type=int, default=100_000, metavar="N")
@@ -557,6 +591,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{MAX_MESSAGE_SIZE}` in rabbitmq.conf and restart the node (or, until its "
                     f"next restart: rabbitmqctl eval 'application:set_env(rabbit, "
                     f"max_message_size, {MAX_MESSAGE_SIZE}).')",
+                    file=sys.stderr,
+                )
+            if not args.dry_run and (warning := open_files_warning(ctl)):
+                print(
+                    f"relay_rabbitmq.py: warning: {warning}: raise the node's limit to "
+                    f"{MIN_OPEN_FILES:,} or more (systemd: LimitNOFILE={MIN_OPEN_FILES} in a "
+                    "drop-in for rabbitmq-server.service; else `ulimit -n` where it starts) and "
+                    "restart it",
                     file=sys.stderr,
                 )
         elif args.command == "show":

@@ -1,0 +1,85 @@
+"""`relay_rabbitmq.py vhost` warns when the broker node may hold too few open files for a fleet.
+
+Each agent holds a connection, and each VM's approvals queue (a durable classic queue) a file
+while an approval waits in it. RabbitMQ runs with its process's ``ulimit -n``, often 1,024 (927
+files, 832 of them connections): such a node takes no more than 832 agents' connections, its
+file handle cache churns under a fleet's approvals (3.x: the busiest process of this project's
+2,000-VM fleet run), and classic queues v2 fail with ``emfile``. No vhost or ``rabbitmq.conf``
+setting raises it, so the script says what to raise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ._rabbitmq import rabbitmqctl_or_skip, run_script
+
+MIN_OPEN_FILES = 65536
+
+
+@pytest.mark.rabbitmq
+def test_the_vhost_command_says_how_to_raise_a_low_open_files_limit() -> None:
+    ctl = rabbitmqctl_or_skip()
+    status = json.loads(
+        subprocess.run(
+            [ctl, "status", "--formatter", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    )
+    limit = status["file_descriptors"]["total_limit"]
+    if limit >= MIN_OPEN_FILES:
+        pytest.skip(f"this broker may hold {limit} open files already")
+    vhost = f"relay-test-{uuid.uuid4().hex[:8]}"
+    try:
+        result = run_script("vhost", "--vhost", vhost)
+    finally:
+        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert f"the broker node may hold {limit:,} open files" in result.stderr
+    assert f"LimitNOFILE={MIN_OPEN_FILES}" in result.stderr
+    assert "ready with 2 policies" in result.stdout
+
+
+def _fake_rabbitmqctl(tmp_path: Path, status: str) -> Path:
+    """A stand-in for rabbitmqctl (the shared broker's limit cannot be changed for one test):
+    it accepts every call, answers ``status`` with ``status`` and the message size with 512 KiB."""
+    fake = tmp_path / "rabbitmqctl"
+    answer = tmp_path / "status.json"
+    answer.write_text(status, encoding="utf-8")
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = status ]; then cat "{answer}"; fi\n'
+        'if [ "$1" = eval ]; then echo "{ok,524288}"; fi\n'
+        "exit 0\n",
+        encoding="utf-8",
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def test_no_warning_when_the_node_may_hold_enough_open_files(tmp_path: Path) -> None:
+    status = {"file_descriptors": {"total_limit": 1048476, "sockets_limit": 943538}}
+    fake = _fake_rabbitmqctl(tmp_path, json.dumps(status))
+    result = run_script("--rabbitmqctl", str(fake), "vhost", "--vhost", "relay")
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr
+    assert "ready with 2 policies" in result.stdout
+
+
+@pytest.mark.parametrize("status", ["", "not json", '{"file_descriptors": {}}', "[1]"])
+def test_a_status_the_script_cannot_read_is_said_and_the_vhost_still_made(
+    tmp_path: Path, status: str
+) -> None:
+    fake = _fake_rabbitmqctl(tmp_path, status)
+    result = run_script("--rabbitmqctl", str(fake), "vhost", "--vhost", "relay")
+    assert result.returncode == 0, result.stderr
+    assert "could not read the broker's open-files limit" in result.stderr
+    assert "ready with 2 policies" in result.stdout
