@@ -87,9 +87,9 @@ _TIMEOUT = 120.0
 MAX_MESSAGE_SIZE = 512 * 1024
 #: The fewest open files the node should be allowed (its process's ``ulimit -n``): a connection
 #: per agent, a file per VM's approvals queue while an approval waits in it, with room to spare.
-#: Below its limit RabbitMQ takes no more connections; at the common default of 1,024 (927
-#: files, 832 connections) the busiest process of a 2,000-VM fleet run's broker was its file
-#: handle cache, and 2,000 classic queues v2 failed with ``emfile``.
+#: At the common default of 1,024 RabbitMQ counts room for 927 files, 832 of them connections
+#: (its ``sockets_limit``), the busiest process of a 2,000-VM fleet run's broker by reductions
+#: was its file handle cache, and 2,000 classic queues v2 failed with ``emfile``.
 MIN_OPEN_FILES = 65536
 
 
@@ -450,8 +450,8 @@ def open_files_warning(ctl: Rabbitmqctl) -> str | None:
         f"the broker node may hold {total:,} open files, {sockets:,} of them connections: each "
         "agent holds a connection, and each VM's approvals queue a file while an approval waits "
         f"in it, so a fleet needs about two per VM (RabbitMQ's production checklist: 50,000 or "
-        "more); short of them the node takes no more connections, and its classic queues churn "
-        "their files (3.x) or fail (classic queues v2: emfile)"
+        "more); short of them the node has no room for more connections, and its classic queues "
+        "churn their files (3.x) or fail (classic queues v2: emfile)"
     )
 
 

@@ -2,10 +2,10 @@
 
 Each agent holds a connection, and each VM's approvals queue (a durable classic queue) a file
 while an approval waits in it. RabbitMQ runs with its process's ``ulimit -n``, often 1,024 (927
-files, 832 of them connections): such a node takes no more than 832 agents' connections, its
-file handle cache churns under a fleet's approvals (3.x: the busiest process of this project's
-2,000-VM fleet run), and classic queues v2 fail with ``emfile``. No vhost or ``rabbitmq.conf``
-setting raises it, so the script says what to raise.
+files, 832 of them connections): such a node has room for 832 agents' connections, its file
+handle cache churns under a fleet's approvals (3.x: the busiest process by reductions of this
+project's 2,000-VM fleet run), and classic queues v2 fail with ``emfile``. No vhost or
+``rabbitmq.conf`` setting raises it, so the script says what to raise.
 """
 
 from __future__ import annotations
