@@ -66,6 +66,15 @@ def run_script(*args: str, stdin: str | None = None) -> subprocess.CompletedProc
     )
 
 
+def vhost_command_on_the_broker(ctl: str) -> subprocess.CompletedProcess[str]:
+    """``relay_rabbitmq.py vhost`` on the real broker, for a throwaway vhost deleted after."""
+    vhost = f"relay-test-{uuid.uuid4().hex[:8]}"
+    try:
+        return run_script("vhost", "--vhost", vhost)
+    finally:
+        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60, check=False)
+
+
 def script_ok(*args: str, stdin: str | None = None) -> str:
     result = run_script(*args, stdin=stdin)
     assert result.returncode == 0, f"relay_rabbitmq.py {' '.join(args)}:\n{result.stderr}"

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 
-from ._rabbitmq import rabbitmqctl_or_skip, run_script
+from ._rabbitmq import rabbitmqctl_or_skip, run_script, vhost_command_on_the_broker
 
 LIMIT = 512 * 1024
 
@@ -33,11 +32,7 @@ def test_the_vhost_command_names_the_setting_when_the_broker_accepts_huge_messag
     found = re.fullmatch(r"\{ok,\s*(\d+)\}", answer)
     if found and int(found.group(1)) <= LIMIT:
         pytest.skip(f"this broker already refuses messages over {LIMIT} bytes ({answer})")
-    vhost = f"relay-test-{uuid.uuid4().hex[:8]}"
-    try:
-        result = run_script("vhost", "--vhost", vhost)
-    finally:
-        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60, check=False)
+    result = vhost_command_on_the_broker(ctl)
     assert result.returncode == 0, result.stderr
     assert f"set `max_message_size = {LIMIT}` in rabbitmq.conf" in result.stderr
     assert "ready with 2 policies" in result.stdout

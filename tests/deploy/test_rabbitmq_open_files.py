@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 
-from ._rabbitmq import rabbitmqctl_or_skip, run_script
+from ._rabbitmq import rabbitmqctl_or_skip, run_script, vhost_command_on_the_broker
 
 MIN_OPEN_FILES = 65536
 
@@ -37,11 +36,7 @@ def test_the_vhost_command_says_how_to_raise_a_low_open_files_limit() -> None:
     limit = status["file_descriptors"]["total_limit"]
     if limit >= MIN_OPEN_FILES:
         pytest.skip(f"this broker may hold {limit} open files already")
-    vhost = f"relay-test-{uuid.uuid4().hex[:8]}"
-    try:
-        result = run_script("vhost", "--vhost", vhost)
-    finally:
-        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60, check=False)
+    result = vhost_command_on_the_broker(ctl)
     assert result.returncode == 0, result.stderr
     assert f"the broker node may hold {limit:,} open files" in result.stderr
     assert f"LimitNOFILE={MIN_OPEN_FILES}" in result.stderr
