@@ -67,7 +67,7 @@ RETRYABLE_KINDS = frozenset(
 #: cannot happen short of a server far quicker to let go than any; and an approval's POST
 #: mostly follows the poll it was checked on by less. A new connection costs an agent whose
 #: loop runs late several turns of it: in a traced 2,000-VM fleet run on one machine a POST
-#: took 2.3 and 1.4 s (p50, two agent processes), 1.5 and 0.8 s of it connecting.
+#: took 2.3 and 1.4 s (p50, two agent processes), about 1.5 and 0.8 s of it connecting.
 POST_KEPT_IDLE = 1.0
 #: The largest answer taken from IMDS.
 DEFAULT_MAX_BODY = 1024 * 1024
