@@ -442,7 +442,8 @@ def open_files_warning(ctl: Rabbitmqctl) -> str | None:
         status = json.loads(ctl.run("status", "--formatter", "json", mutating=False) or "{}")
         limits = status["file_descriptors"]
         total, sockets = int(limits["total_limit"]), int(limits["sockets_limit"])
-    except (SetupError, ValueError, TypeError, KeyError) as exc:
+    except (SetupError, ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
+        # OverflowError: a limit of 1e400 (JSON's infinity); RecursionError: nesting too deep.
         return f"could not read the broker's open-files limit ({exc!r})"
     if total >= MIN_OPEN_FILES:
         return None

@@ -69,7 +69,17 @@ def test_no_warning_when_the_node_may_hold_enough_open_files(tmp_path: Path) -> 
     assert "ready with 2 policies" in result.stdout
 
 
-@pytest.mark.parametrize("status", ["", "not json", '{"file_descriptors": {}}', "[1]"])
+UNREADABLE = {
+    "empty": "",
+    "not-json": "not json",
+    "no-limits": '{"file_descriptors": {}}',
+    "a-list": "[1]",
+    "infinite": '{"file_descriptors": {"total_limit": 1e400, "sockets_limit": 1}}',
+    "deep": "[" * 100_000 + "]" * 100_000,
+}
+
+
+@pytest.mark.parametrize("status", list(UNREADABLE.values()), ids=list(UNREADABLE))
 def test_a_status_the_script_cannot_read_is_said_and_the_vhost_still_made(
     tmp_path: Path, status: str
 ) -> None:
