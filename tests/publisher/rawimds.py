@@ -35,6 +35,15 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, body
 
 
+async def requests(reader: asyncio.StreamReader) -> AsyncIterator[tuple[bytes, bytes]]:
+    """Each request on a connection (head, body) until the client closes or drops it."""
+    while True:
+        try:
+            yield await read_request(reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+
 def ok(body: bytes, extra: bytes = b"") -> bytes:
     """A ``200 OK`` answer with ``body`` (and the header lines ``extra``, each CRLF-ended)."""
     return (

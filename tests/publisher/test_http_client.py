@@ -19,7 +19,7 @@ from schemas import ImdsError
 from schemas._backoff import Backoff
 from schemas.channels import ChannelNames
 
-from .rawimds import Handler, ok, raw_server, read_request
+from .rawimds import Handler, ok, raw_server, read_request, requests
 
 INSTANCE = json.dumps({"compute": {"name": "web-7", "vmId": str(uuid.uuid4())}}).encode()
 DOCUMENT = json.dumps({"DocumentIncarnation": 1, "Events": []}).encode()
@@ -40,11 +40,7 @@ def _answering(scheduled_events: bytes) -> Handler:
     """An IMDS that knows the VM and answers every other request with ``scheduled_events``."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head, _ = await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                break
+        async for head, _ in requests(reader):
             writer.write(ok(INSTANCE) if b"/metadata/instance" in head else scheduled_events)
             await writer.drain()
         writer.close()
@@ -155,18 +151,14 @@ async def test_a_post_imds_received_and_dropped_may_have_started(idle: float) ->
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(len(connections))
         try:
-            while True:
-                try:
-                    head, body = await read_request(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
+            async for head, body in requests(reader):
                 if head.startswith(b"GET"):  # answered, the connection kept
                     writer.write(ok(DOCUMENT))
                     await writer.drain()
                     continue
                 servers[0].close()  # IMDS goes away for new connections
                 posts.append(body)  # the POST arrived whole...
-                return
+                break
         finally:
             writer.close()  # ...and the connection drops before any answer
 
@@ -194,17 +186,13 @@ async def test_a_post_goes_on_the_polls_connection_unless_it_sat_idle() -> None:
     one machine that was about a second of a POST's 1.4-2.3 s, p50, in agents whose loop ran
     late). On a connection idle longer than ``POST_KEPT_IDLE`` (IMDS may be letting it go just
     then, and a POST is never sent twice) it goes on a new one, kept for the next poll."""
-    requests: list[list[bytes]] = []
+    seen: list[list[bytes]] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         mine: list[bytes] = []
-        requests.append(mine)
+        seen.append(mine)
         try:
-            while True:
-                try:
-                    head, _ = await read_request(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
+            async for head, _ in requests(reader):
                 mine.append(head.split(b" ", 1)[0])
                 writer.write(ok(DOCUMENT if head.startswith(b"GET") else b""))
                 await writer.drain()
@@ -225,7 +213,7 @@ async def test_a_post_goes_on_the_polls_connection_unless_it_sat_idle() -> None:
             await client.scheduled_events()  # on the POST's: no third connection
         finally:
             await client.aclose()
-    assert requests == [[b"GET", b"POST", b"GET"], [b"POST", b"GET"]]
+    assert seen == [[b"GET", b"POST", b"GET"], [b"POST", b"GET"]]
 
 
 #: 2xx answers to a POST whose body the agent cannot or will not read.
