@@ -15,7 +15,7 @@ from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
 
 from .proxy import TcpProxy
 
-__all__ = ["assert_nothing", "outgoing", "proxied_rabbitmq", "receive"]
+__all__ = ["assert_nothing", "outgoing", "proxied_rabbitmq", "receive", "via_proxy"]
 
 
 def outgoing(
@@ -56,6 +56,13 @@ async def assert_nothing(subscription: Any, seconds: float = 0.5) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+def via_proxy(amqp_url: str, port: int) -> str:
+    """``amqp_url`` with its credentials, to a :class:`~.proxy.TcpProxy` on loopback ``port``."""
+    split = urlsplit(amqp_url)
+    netloc = f"{split.username}:{split.password}@127.0.0.1:{port}"
+    return split._replace(netloc=netloc).geturl()
+
+
 @contextlib.asynccontextmanager
 async def proxied_rabbitmq(
     amqp_url: str, unique: str, settings: AmqpSettings, *, within: float = 60
@@ -68,9 +75,8 @@ async def proxied_rabbitmq(
         asyncio.timeout(within),
         TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
     ):
-        through = split._replace(netloc=f"{split.username}:{split.password}@127.0.0.1:{proxy.port}")
         channels = ChannelNames().suffixed(unique)
-        transport = RabbitMQTransport(through.geturl(), channels, settings=settings)
+        transport = RabbitMQTransport(via_proxy(amqp_url, proxy.port), channels, settings=settings)
         async with transport:
             try:
                 yield proxy, transport

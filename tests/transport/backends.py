@@ -21,7 +21,7 @@ import pytest
 from schemas.channels import ChannelNames
 from schemas.transport import MemoryBroker, MemoryTransport, OutgoingMessage, Transport
 
-from ._helpers import outgoing
+from ._helpers import outgoing, via_proxy
 
 __all__ = ["BACKENDS", "Backend", "closed_port"]
 
@@ -124,10 +124,7 @@ async def rabbitmq_backend(request: pytest.FixtureRequest, unique: str) -> Async
         return outgoing("refused", routing_key="refused.Test.vm-1")
 
     def via(port: int) -> RabbitMQTransport:
-        netloc = f"{split.username}:{split.password}@127.0.0.1:{port}"
-        return RabbitMQTransport(
-            split._replace(netloc=netloc).geturl(), channels, settings=settings
-        )
+        return RabbitMQTransport(via_proxy(url, port), channels, settings=settings)
 
     backend = Backend(
         "rabbitmq",

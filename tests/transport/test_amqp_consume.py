@@ -22,19 +22,13 @@ from schemas.transport import (
 )
 from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
 
-from ._helpers import assert_nothing, outgoing, receive
+from ._helpers import assert_nothing, outgoing, receive, via_proxy
 from .proxy import TcpProxy
 
 pytestmark = pytest.mark.rabbitmq
 
 BOUND = 60
 SETTINGS = AmqpSettings(connect_timeout=2, reconnect_timeout=20, confirm_timeout=5)
-
-
-def _through(amqp_url: str, port: int) -> str:
-    split = urlsplit(amqp_url)
-    netloc = f"{split.username}:{split.password}@127.0.0.1:{port}"
-    return split._replace(netloc=netloc).geturl()
 
 
 @pytest.fixture
@@ -87,7 +81,7 @@ async def test_a_delivery_from_a_lost_channel_is_not_acked_on_the_new_one(
     async with (
         asyncio.timeout(BOUND),
         RabbitMQTransport(amqp_url, channels, settings=SETTINGS) as publisher,
-        RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=SETTINGS) as consumer,
+        RabbitMQTransport(via_proxy(amqp_url, proxy.port), channels, settings=SETTINGS) as consumer,
     ):
         try:
             await publisher.declare_group("g")
@@ -174,7 +168,7 @@ async def test_a_transient_subscription_comes_back_after_a_cut_link(
     async with (
         asyncio.timeout(BOUND),
         RabbitMQTransport(amqp_url, channels, settings=SETTINGS) as publisher,
-        RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=SETTINGS) as consumer,
+        RabbitMQTransport(via_proxy(amqp_url, proxy.port), channels, settings=SETTINGS) as consumer,
     ):
         try:
             async with consumer.subscribe("tail", transient=True) as subscription:

@@ -19,7 +19,7 @@ from schemas.channels import ChannelNames
 from schemas.transport import DEAD_LETTER_REASON, open_transport
 from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
 
-from ._helpers import assert_nothing, outgoing, receive
+from ._helpers import assert_nothing, outgoing, receive, via_proxy
 from .proxy import TcpProxy
 
 BOUND = 60
@@ -230,12 +230,6 @@ async def _first(queue: aio_pika.abc.AbstractQueue) -> aio_pika.abc.AbstractInco
 # -- a link cut and restored ----------------------------------------------------------------
 
 
-def _through(amqp_url: str, port: int) -> str:
-    split = urlsplit(amqp_url)
-    netloc = f"{split.username}:{split.password}@127.0.0.1:{port}"
-    return split._replace(netloc=netloc).geturl()
-
-
 @pytest.mark.rabbitmq
 @pytest.mark.slow
 async def test_publishing_and_consuming_survive_a_cut_link(
@@ -250,7 +244,7 @@ async def test_publishing_and_consuming_survive_a_cut_link(
         asyncio.timeout(BOUND),
         TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
     ):
-        url = _through(amqp_url, proxy.port)
+        url = via_proxy(amqp_url, proxy.port)
         publisher = RabbitMQTransport(url, channels, settings=settings)
         consumer = RabbitMQTransport(url, channels, settings=settings)
         async with publisher, consumer:
@@ -318,7 +312,7 @@ async def test_publish_gives_up_when_the_link_stays_down(amqp_url: str, unique: 
         asyncio.timeout(BOUND),
         TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
     ):
-        transport = RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=settings)
+        transport = RabbitMQTransport(via_proxy(amqp_url, proxy.port), channels, settings=settings)
         async with transport:
             try:
                 await transport.declare_group("g")
@@ -346,7 +340,7 @@ async def test_a_publish_without_a_confirm_in_time_is_not_confirmed(
         asyncio.timeout(BOUND),
         TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
     ):
-        transport = RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=settings)
+        transport = RabbitMQTransport(via_proxy(amqp_url, proxy.port), channels, settings=settings)
         async with transport:
             try:
                 await transport.declare_group("g")
@@ -431,7 +425,7 @@ async def test_a_stalled_broker_costs_the_operation_not_the_connection(
         asyncio.timeout(BOUND),
         TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
     ):
-        transport = RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=settings)
+        transport = RabbitMQTransport(via_proxy(amqp_url, proxy.port), channels, settings=settings)
         async with transport:
             try:
                 await transport.declare_group("g")
@@ -482,7 +476,7 @@ async def test_a_subscription_opened_while_the_link_is_down_fails_as_a_lost_link
         asyncio.timeout(BOUND),
         TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
     ):
-        transport = RabbitMQTransport(_through(amqp_url, proxy.port), channels, settings=settings)
+        transport = RabbitMQTransport(via_proxy(amqp_url, proxy.port), channels, settings=settings)
         async with transport:
             try:
                 await proxy.cut()

@@ -23,7 +23,7 @@ from schemas.channels import ChannelNames
 from schemas.transport import Delivery
 from schemas.transport.rabbitmq import AmqpSettings, RabbitMQTransport
 
-from ._helpers import assert_nothing, outgoing, receive
+from ._helpers import assert_nothing, outgoing, receive, via_proxy
 from ._rabbitmqctl import BrokerUser, rabbitmqctl
 from .proxy import TcpProxy
 
@@ -243,9 +243,9 @@ async def test_a_subscription_closed_past_its_deadline_does_not_stall_the_connec
         asyncio.timeout(BOUND),
         TcpProxy(split.hostname or "127.0.0.1", split.port or 5672) as proxy,
     ):
-        through = split._replace(netloc=f"{split.username}:{split.password}@127.0.0.1:{proxy.port}")
+        through = via_proxy(amqp_url, proxy.port)
         async with (
-            RabbitMQTransport(through.geturl(), central.channels, settings=settings) as consumer,
+            RabbitMQTransport(through, central.channels, settings=settings) as consumer,
             consumer.approvals("vm-a") as approvals,
         ):
             await central.declare_group("audit")
