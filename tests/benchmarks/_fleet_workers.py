@@ -35,6 +35,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,7 @@ def _trace_approvals() -> None:
 def _trace_limiter() -> None:
     import contextvars
 
+    from publisher._http import HttpClient
     from publisher._imds import ImdsClient
     from publisher._poller import RequestLimiter
 
@@ -279,39 +281,30 @@ def _trace_limiter() -> None:
         await acquire(self)
         _LIMITER_WAITS.setdefault(method_of.get(), []).append(time.monotonic() - began)
 
-    from publisher._http import HttpClient
-
-    send, connect = ImdsClient._send, HttpClient._connect
-
-    async def traced_send(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        began = time.monotonic()
-        try:
-            return await send(self, method, *args, **kwargs)
-        finally:
-            _EXCHANGES.setdefault(method, []).append(time.monotonic() - began)
-
-    async def traced_connect(self: Any) -> Any:
-        began = time.monotonic()
-        try:
-            return await connect(self)
-        finally:
-            _EXCHANGES.setdefault("connect", []).append(time.monotonic() - began)
-
-    exchange = HttpClient._exchange
-
-    async def traced_exchange(self: Any, connection: Any, raw: bytes, max_body: int) -> Any:
-        began = time.monotonic()
-        try:
-            return await exchange(self, connection, raw, max_body)
-        finally:
-            kind = "POST" if raw.startswith(b"POST") else "GET"
-            _EXCHANGES.setdefault(f"{kind} exchange", []).append(time.monotonic() - began)
-
-    HttpClient._exchange = traced_exchange  # type: ignore[method-assign]
     ImdsClient._request = traced_request  # type: ignore[method-assign]
     RequestLimiter.acquire = traced_acquire  # type: ignore[method-assign]
-    ImdsClient._send = traced_send  # type: ignore[method-assign]
-    HttpClient._connect = traced_connect  # type: ignore[method-assign]
+    # How long each exchange took once admitted (GET, POST), each new connection, and each
+    # request's bytes on the wire and its answer (the exchange).
+    _timed(ImdsClient, "_send", lambda method, *_: method)
+    _timed(HttpClient, "_connect", lambda *_: "connect")
+    _timed(
+        HttpClient, "_exchange", lambda _, raw, *__: f"{raw.split(b' ', 1)[0].decode()} exchange"
+    )
+
+
+def _timed(cls: Any, name: str, key: Callable[..., str]) -> None:
+    """Wrap the coroutine method ``cls.name`` so that each call's duration is kept in
+    ``_EXCHANGES`` under ``key(*its arguments)``."""
+    original = getattr(cls, name)
+
+    async def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.monotonic()
+        try:
+            return await original(self, *args, **kwargs)
+        finally:
+            _EXCHANGES.setdefault(key(*args), []).append(time.monotonic() - began)
+
+    setattr(cls, name, timed)
 
 
 def _trace(what: str, values: list[float], unit: str = "s") -> None:
