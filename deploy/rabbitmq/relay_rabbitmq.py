@@ -309,9 +309,23 @@ class Rabbitmqctl:
         return result.stdout
 
     def json(self, *args: str) -> list[dict[str, object]]:
+        """A listing (``list_users``, ...) as rabbitmqctl's JSON formatter gives it: a list of
+        objects (nothing printed: none). Any other answer is a :class:`SetupError` naming the
+        command: what the script would do next depends on it."""
         output = self.run(*args, "--quiet", "--formatter", "json", mutating=False)
-        loaded = json.loads(output) if output.strip() else []
-        return loaded if isinstance(loaded, list) else []
+        if not output.strip():
+            return []
+        try:
+            loaded = json.loads(output)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            loaded = exc
+        if isinstance(loaded, list) and all(isinstance(row, dict) for row in loaded):
+            return loaded
+        shown = output.strip()[:200]
+        raise SetupError(
+            f"rabbitmqctl {args[0]} answered what is not a JSON list of objects ({shown!r}); "
+            "the script stops here: check the rabbitmqctl command (--rabbitmqctl) and its node"
+        )
 
 
 def apply(ctl: Rabbitmqctl, vhost: str, users: Sequence[tuple[User, str]]) -> int:

@@ -1,0 +1,70 @@
+"""`relay_rabbitmq.py` reads rabbitmqctl's JSON listings (vhosts, users, permissions) to decide
+what to do: an answer it cannot read is said, with the command that gave it, and the script
+stops with exit 1 before it creates or changes a user, never with a traceback.
+
+rabbitmqctl is a stand-in here (a shell script): the shared broker's answers are well formed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ._rabbitmq import run_script
+
+#: What a broken, mismatched or hostile rabbitmqctl may print for a listing.
+UNREADABLE = {
+    "not-json": "Listing vhosts ...\nrelay\n",
+    "an-object": '{"name": "relay"}',
+    "not-objects": '["relay", 1]',
+    "cut-short": '[{"name": "rel',
+    "deep": "[" * 100_000 + "]" * 100_000,
+}
+
+
+def _rabbitmqctl(tmp_path: Path, listing: str, answer: str) -> tuple[Path, Path]:
+    """A stand-in rabbitmqctl: ``listing`` (e.g. ``list_vhosts``) answers ``answer``, the other
+    listings a vhost ``relay`` with no users, and every call is written to the log returned."""
+    fake, log, text = tmp_path / "rabbitmqctl", tmp_path / "calls.log", tmp_path / "answer"
+    text.write_text(answer, encoding="utf-8")
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$1" >> "{log}"\n'
+        f'if [ "$1" = {listing} ]; then cat "{text}"; exit 0; fi\n'
+        'if [ "$1" = list_vhosts ]; then echo \'[{"name": "relay"}]\'; exit 0; fi\n'
+        'case "$1" in list_*) echo "[]";; esac\n'
+        "exit 0\n",
+        encoding="utf-8",
+    )
+    fake.chmod(0o755)
+    return fake, log
+
+
+@pytest.mark.parametrize("listing", ["list_vhosts", "list_users"])
+@pytest.mark.parametrize("answer", list(UNREADABLE.values()), ids=list(UNREADABLE))
+def test_a_listing_the_script_cannot_read_stops_it_before_any_user_is_made(
+    tmp_path: Path, listing: str, answer: str
+) -> None:
+    fake, log = _rabbitmqctl(tmp_path, listing, answer)
+    result = run_script(
+        "--rabbitmqctl", str(fake), "vm", "--vhost", "relay", "--password-stdin", "web-1",
+        stdin="secret\n",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout
+    assert "Traceback" not in result.stderr
+    said = f"rabbitmqctl {listing} answered what is not a JSON list of objects"
+    assert said in result.stderr
+    calls = log.read_text(encoding="utf-8").split()
+    assert not {"add_user", "change_password", "set_permissions"} & set(calls), calls
+
+
+def test_a_readable_listing_still_makes_the_user(tmp_path: Path) -> None:
+    fake, log = _rabbitmqctl(tmp_path, "list_users", '[{"user": "guest", "tags": []}]')
+    result = run_script(
+        "--rabbitmqctl", str(fake), "vm", "--vhost", "relay", "--password-stdin", "web-1",
+        stdin="secret\n",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text(encoding="utf-8").split()
+    assert {"add_user", "set_permissions"} <= set(calls), calls
