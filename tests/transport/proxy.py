@@ -73,9 +73,13 @@ class TcpProxy:
             writer.transport.abort()
         self._writers.clear()
         tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
         if tasks:
+            # Their links reset, the connections' tasks end by themselves; one still opening
+            # its upstream is cancelled (a cancelled one makes asyncio's stream callback log an
+            # "Exception in callback ... CancelledError" for every connection).
+            _, pending = await asyncio.wait(tasks, timeout=1)
+            for task in pending:
+                task.cancel()
             async with asyncio.timeout(5):
                 await asyncio.gather(*tasks, return_exceptions=True)
         if server is not None:
