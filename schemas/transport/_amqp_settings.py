@@ -4,22 +4,24 @@ Options go in the URL query, so one string configures a deployment::
 
     amqp://relay:secret@rabbit.internal:5672/prod?reconnect_interval=1&confirm_timeout=10
 
-==================== ======= ==============================================================
-``reconnect_interval`` 0.5 s between reconnect attempts (each spread by +/-20 % jitter)
-``reconnect_timeout``  30 s  how long ``publish`` waits for a lost link to come back
-``confirm_timeout``    10 s  how long ``publish`` waits for the broker's confirm
-``connect_timeout``    10 s  one connection attempt (TCP + AMQP handshake)
-``heartbeat``          30 s  AMQP heartbeat; 0 turns it off
-``approval_ttl``       600 s how long an approval waits in a VM's queue
-``delivery_limit``     20    deliveries of a group message before the broker dead-letters it
-``name``               ...   the connection name operators see in the management UI
-``declare``            all   ``passive``: check the shared exchanges exist instead of declaring
-                             them (a broker user that may not configure them: a VM's)
-``user_id``            login the ``user_id`` property of every message published: RabbitMQ
-                             refuses a publish whose ``user_id`` is not the connection's
-                             user, so consumers know who sent it; empty: not set (EXTERNAL
-                             authentication, where the login is not in the URL)
-==================== ======= ==============================================================
+========================== ===== ==================================================================
+``reconnect_interval``     0.5 s between reconnect attempts at first; then an eighth of the time
+                                 the link has been down (each wait spread by +/-20 % jitter)
+``reconnect_max_interval`` 10 s  the longest wait between reconnect attempts
+``reconnect_timeout``      30 s  how long ``publish`` waits for a lost link to come back
+``confirm_timeout``        10 s  how long ``publish`` waits for the broker's confirm
+``connect_timeout``        10 s  one connection attempt (TCP + AMQP handshake)
+``heartbeat``              30 s  AMQP heartbeat; 0 turns it off
+``approval_ttl``           600 s how long an approval waits in a VM's queue
+``delivery_limit``         20    deliveries of a group message before the broker dead-letters it
+``name``                   ...   the connection name operators see in the management UI
+``declare``                all   ``passive``: check the shared exchanges exist instead of declaring
+                                 them (a broker user that may not configure them: a VM's)
+``user_id``                login the ``user_id`` property of every message published: RabbitMQ
+                                 refuses a publish whose ``user_id`` is not the connection's
+                                 user, so consumers know who sent it; empty: not set (EXTERNAL
+                                 authentication, where the login is not in the URL)
+========================== ===== ==================================================================
 
 TLS options of the underlying client (``cafile``, ``capath``, ``cadata``, ``certfile``,
 ``keyfile``, ``no_verify_ssl``) and ``auth`` pass through unchanged.
@@ -51,6 +53,7 @@ class AmqpSettings:
     """How the transport talks to RabbitMQ. URL query options override these."""
 
     reconnect_interval: float = 0.5
+    reconnect_max_interval: float = 10.0
     reconnect_timeout: float = 30.0
     confirm_timeout: float = 10.0
     connect_timeout: float = 10.0
@@ -66,7 +69,12 @@ class AmqpSettings:
     declare: str = "all"
 
     def __post_init__(self) -> None:
-        for name in ("reconnect_interval", "reconnect_timeout", "confirm_timeout"):
+        for name in (
+            "reconnect_interval",
+            "reconnect_max_interval",
+            "reconnect_timeout",
+            "confirm_timeout",
+        ):
             _positive(name, getattr(self, name))
         _positive("connect_timeout", self.connect_timeout)
         _positive("approval_ttl", self.approval_ttl)

@@ -43,8 +43,10 @@ on the reopened channel. An approval to a VM whose agent never
 declared its queue is unroutable, so its sender learns it (the sender does not create queues
 for VMs).
 
-While the link is down, the robust connection reconnects every ``reconnect_interval`` (with
-jitter); ``publish`` waits up to ``reconnect_timeout`` for it and then raises
+While the link is down, the robust connection reconnects every ``reconnect_interval`` at
+first, less often the longer the link stays down (an eighth of the time it has been down, at
+most ``reconnect_max_interval``; jittered: a fleet does not storm a broker that restarts);
+``publish`` waits up to ``reconnect_timeout`` for it and then raises
 :class:`TransportError`, so the caller keeps the message (outbox) and tries later. A publish
 cut off before its confirm is sent again after the reconnect: at-least-once, and message ids
 are deterministic so consumers drop the duplicate. Consumers resume by themselves.
@@ -159,6 +161,7 @@ class RabbitMQTransport(AsyncResource):
             reconnect_interval=settings.reconnect_interval,
             client_properties={"connection_name": settings.connection_name},
         )
+        connection.max_reconnect_interval = settings.reconnect_max_interval
         try:
             async with asyncio.timeout(settings.connect_timeout + 1):
                 await connection.connect(timeout=settings.connect_timeout)
@@ -270,11 +273,13 @@ class RabbitMQTransport(AsyncResource):
             return
         self._lost_at = asyncio.get_running_loop().time()
         log.warning(
-            "lost the link to RabbitMQ %s (%s): reconnecting every ~%.1f s; publishing waits up "
-            "to %.0f s for it, then fails so the caller keeps the message and retries",
+            "lost the link to RabbitMQ %s (%s): reconnecting every ~%.1f s at first, less often "
+            "the longer it is down (at most every %.0f s); publishing waits up to %.0f s for it, "
+            "then fails so the caller keeps the message and retries",
             self.display_url,
             exc if exc is not None else "closed",
             self.settings.reconnect_interval,
+            max(self.settings.reconnect_max_interval, self.settings.reconnect_interval),
             self.settings.reconnect_timeout,
         )
 

@@ -43,10 +43,11 @@ def test_importing_the_transport_package_does_not_import_aio_pika() -> None:
 def test_url_options_configure_the_transport() -> None:
     transport = RabbitMQTransport(
         "amqp://relay:s3cret@rabbit.internal:5672/prod?reconnect_interval=1&confirm_timeout=2.5"
-        "&approval_ttl=120&delivery_limit=5&heartbeat=15&name=agent-web-7&cafile=/etc/ca.pem"
+        "&reconnect_max_interval=30&approval_ttl=120&delivery_limit=5&heartbeat=15&name=agent-web-7&cafile=/etc/ca.pem"
     )
     settings = transport.settings
     assert settings.reconnect_interval == 1
+    assert settings.reconnect_max_interval == 30
     assert settings.confirm_timeout == 2.5
     assert settings.approval_ttl == 120
     assert settings.delivery_limit == 5
@@ -71,6 +72,7 @@ def test_code_settings_are_the_defaults_the_url_overrides() -> None:
         ("amqp://h/?confirm_timeout=soon", "confirm_timeout='soon' is not a number"),
         ("amqp://h/?reconnect_interval=0", "reconnect_interval must be a positive"),
         ("amqp://h/?reconnect_timeout=nan", "reconnect_timeout must be a positive"),
+        ("amqp://h/?reconnect_max_interval=inf", "reconnect_max_interval must be a positive"),
         ("amqp://h/?heartbeat=70000", "heartbeat must be 0..65535"),
         ("amqp://h/?delivery_limit=0", "delivery_limit must be at least 1"),
         ("amqp://h:port/", "bad port"),
