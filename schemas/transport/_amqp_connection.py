@@ -154,7 +154,7 @@ class RelayConnection(aio_pika.RobustConnection):
             "%s; reconnecting every ~%.1f s now, less often the longer it fails (at most every "
             "%.0f s; not logged again until the reason changes)"
         )
-        record.args = (text, self._wait(), self.max_reconnect_interval)
+        record.args = (text, self._wait(), self._longest())
         return True
 
     async def _on_connected(self) -> None:
@@ -168,7 +168,11 @@ class RelayConnection(aio_pika.RobustConnection):
         if self._down_since is None:
             return base
         down = asyncio.get_running_loop().time() - self._down_since
-        return max(base, min(max(self.max_reconnect_interval, base), down / 8))
+        return max(base, min(self._longest(), down / 8))
+
+    def _longest(self) -> float:
+        """``max_reconnect_interval``, or the first interval when that is longer."""
+        return max(self.max_reconnect_interval, self._base_interval)
 
     @property
     def reconnect_interval(self) -> float:

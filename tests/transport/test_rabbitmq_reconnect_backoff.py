@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -43,8 +44,9 @@ async def attempts_on(port: int) -> AsyncIterator[list[float]]:
 @pytest.mark.rabbitmq
 @pytest.mark.slow
 async def test_a_long_outage_is_tried_less_and_less_often_and_the_next_one_afresh(
-    amqp_url: str, unique: str
+    amqp_url: str, unique: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="schemas.transport.rabbitmq")
     settings = AmqpSettings(
         reconnect_interval=0.2, reconnect_max_interval=1.0, connect_timeout=2, reconnect_timeout=30
     )
@@ -77,3 +79,6 @@ async def test_a_long_outage_is_tried_less_and_less_often_and_the_next_one_afres
     assert max(gaps) <= 1.5, gaps  # never past it
     assert back_after < 3.5  # one wait at most (1.2 s), then the connect and the publish
     assert len(short_outage) >= 4, short_outage  # afresh: every ~0.2 s again
+    assert "reconnecting every ~0.2 s at first, less often the longer it is down (at most " in (
+        caplog.text
+    )
