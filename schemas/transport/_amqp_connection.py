@@ -102,7 +102,9 @@ class _DropChannelReopenOnLostLink(logging.Filter):
 
 class _OncePerReason(logging.Filter):
     """A failed reconnect of a :class:`RelayConnection` is logged once per reason, in the words
-    of :func:`connect_error`; its repeats are dropped until the reason changes or it connects."""
+    of :func:`connect_error`; its repeats are dropped until it connects, even when reasons
+    alternate (a load balancer in front of a broker that is down resets some attempts and
+    closes others)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
@@ -133,32 +135,33 @@ class RelayConnection(aio_pika.RobustConnection):
     - An attempt to connect that fails is not a lost link: it does not log that it is
       reconnecting (after a failed first connect it is not: ``connect`` raises) nor run the
       close callbacks, which would say "lost the link" at every attempt of an outage.
-    - A failed reconnect is logged once per reason (a login refused after a password rotation,
-      the broker down), in one line, not at every attempt.
+    - A failed reconnect is logged once per reason and outage (a login refused after a
+      password rotation, the broker down), in one line, not at every attempt.
     """
 
     _base_interval: float = 0.5
     #: The longest wait between reconnect attempts, however long the link has been down.
     max_reconnect_interval: float = 10.0
-    _last_failure: str | None = None
+    #: The reasons a reconnect failed for since the link was last up, each logged once.
+    _failures: frozenset[str] = frozenset()
     #: When the link was lost (the event loop's clock); None while it is up.
     _down_since: float | None = None
 
     def reconnect_failed(self, record: logging.LogRecord, exc: BaseException) -> bool:
         """Rewrite aio-pika's record of a failed reconnect; False for a repeat (dropped)."""
         text = str(connect_error(exc, str(self.url), str(self)))
-        if text == self._last_failure:
+        if text in self._failures:
             return False
-        self._last_failure = text
+        self._failures |= {text}
         record.msg = (
             "%s; reconnecting every ~%.1f s now, less often the longer it fails (at most every "
-            "%.0f s; not logged again until the reason changes)"
+            "%.0f s; not logged again for this reason until it connects)"
         )
         record.args = (text, self._wait(), self._longest())
         return True
 
     async def _on_connected(self) -> None:
-        self._last_failure = None
+        self._failures = frozenset()
         await super()._on_connected()
         self._down_since = None  # back, its channels restored: the next outage starts afresh
 
