@@ -71,6 +71,8 @@ try:
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     AGENT_VERSION = "0.0.0+unknown"
 
+#: How often an approvals consumer that keeps failing to open is said again at WARNING.
+_FAILING_REMINDER = 300.0
 #: How long the approvals consumer stays open after the last approvable event went.
 _LISTEN_LINGER = 30.0
 #: How long a stopping task may take to end after its cancel before it is warned about: a
@@ -521,22 +523,50 @@ class Agent:
         await handler.reconcile_all()
         always = self.settings.listens_always
         backoff = Backoff(0.2, 5.0)
+        said_at = 0.0  # when a failing consumer was last said at WARNING (monotonic)
         while True:
             if not always:
                 await watcher.approvable.wait()
             try:
                 async with transport.approvals(identity.name) as subscription:
                     self._subscribed.set()
-                    self._approvals_failing_since = None
+                    since, self._approvals_failing_since = self._approvals_failing_since, None
+                    if since is not None:
+                        log.info(
+                            "approvals consumer open again after %.1f s of failed tries",
+                            time.monotonic() - since,
+                        )
                     backoff.reset()
                     await self._listen(subscription, handler, watcher, always)
             except TransportError as exc:
                 if _cancelling():  # a cancel that came back as a link error: still a cancel
                     raise asyncio.CancelledError from exc
-                if self._approvals_failing_since is None:
-                    self._approvals_failing_since = time.monotonic()
                 delay = backoff.next()
-                log.warning("approvals consumer lost (%s); reopening in %.2f s", exc, delay)
+                now = time.monotonic()
+                if self._approvals_failing_since is None:
+                    # Said once, then every _FAILING_REMINDER while it lasts: a line at every
+                    # try would be a dozen a minute from each VM, thousands from a fleet.
+                    self._approvals_failing_since = said_at = now
+                    log.warning(
+                        "approvals consumer could not be opened or was lost (%s); trying again "
+                        "in %.2f s, then less and less often (at most every %.0f s) for as long "
+                        "as it fails; said again when it is back",
+                        exc,
+                        delay,
+                        backoff.cap,
+                    )
+                elif now - said_at >= _FAILING_REMINDER:
+                    said_at = now
+                    log.warning(
+                        "approvals consumer still failing after %.0f s (%s); no approval reaches "
+                        "this VM meanwhile",
+                        now - self._approvals_failing_since,
+                        exc,
+                    )
+                else:
+                    log.debug(
+                        "approvals consumer still failing (%s); next try in %.2f s", exc, delay
+                    )
                 await asyncio.sleep(delay)
 
     async def _listen(
