@@ -53,6 +53,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import subprocess
 import sys
 import time
@@ -236,16 +237,17 @@ class Passwords:
         self._single: str | None = None
         self._directory = directory
         if file is not None:
-            self._single = _first_line(file.read_text(encoding="utf-8"), str(file))
+            self._single = _first_line(_read_password_file(file), str(file))
         elif stdin:
-            self._single = _first_line(sys.stdin.read(), "standard input")
+            line = sys.stdin.buffer.readline(_PASSWORD_LIMIT + 1)
+            self._single = _first_line(_password_text(line, "standard input"), "standard input")
         self._used_single = False
 
     def for_user(self, user: str) -> str:
         if self._directory is not None:
             path = self._directory / user
             if path.exists():
-                return _first_line(path.read_text(encoding="utf-8"), str(path))
+                return _first_line(_read_password_file(path), str(path))
             self._directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             password = secrets.token_urlsafe(32)
             descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -262,6 +264,38 @@ class Passwords:
             )
         self._used_single = True
         return self._single
+
+
+#: The most a password file (or standard input's first line) may hold: a password is one line.
+_PASSWORD_LIMIT = 64 * 1024
+
+
+def _read_password_file(path: Path) -> str:
+    """The text of the password file ``path``: a regular file (a link to one, as a mounted
+    secret is, is fine), UTF-8, at most :data:`_PASSWORD_LIMIT` bytes. Opened without blocking
+    (a FIFO nobody writes to would hold the script for ever) and never read past the limit (a
+    link to ``/dev/zero``); :class:`SetupError` for anything else."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SetupError(f"cannot read the password file {path}: {exc.strerror}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise SetupError(f"the password file {path} is not a regular file")
+        with os.fdopen(descriptor, "rb", closefd=False) as opened:
+            data = opened.read(_PASSWORD_LIMIT + 1)
+    finally:
+        os.close(descriptor)
+    return _password_text(data, f"the password file {path}")
+
+
+def _password_text(data: bytes, where: str) -> str:
+    if len(data) > _PASSWORD_LIMIT:
+        raise SetupError(f"{where} holds more than {_PASSWORD_LIMIT:,} bytes: not a password")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SetupError(f"{where} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
 
 
 def _first_line(text: str, where: str) -> str:
