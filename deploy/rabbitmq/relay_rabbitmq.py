@@ -539,6 +539,26 @@ def _users(args: argparse.Namespace) -> list[User]:
     return [User(name, args.command, make(group)) for name in args.names]
 
 
+#: The longest name the contract carries (a VM's in every message): ``schemas.MAX_KEY_LENGTH``.
+_MAX_NAME = 200
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _name(text: str) -> str:
+    """A user's name as given (NAME, USER): not blank, no control character (a pasted newline),
+    at most :data:`_MAX_NAME` characters. Anything else is a mistake the broker would take as a
+    user."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a name is empty")
+    if _CONTROL.search(text):
+        raise argparse.ArgumentTypeError(f"name {text!r} holds a control character")
+    if len(text) > _MAX_NAME:
+        raise argparse.ArgumentTypeError(
+            f"name {text[:40]!r}... is {len(text)} characters long: at most {_MAX_NAME}"
+        )
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relay_rabbitmq.py",
@@ -584,7 +604,7 @@ def _parser() -> argparse.ArgumentParser:
     for role, text in helps.items():
         sub = commands.add_parser(role, help=text, description=text)
         common(sub)
-        sub.add_argument("names", nargs="+", metavar="NAME")
+        sub.add_argument("names", nargs="+", metavar="NAME", type=_name)
         source = sub.add_mutually_exclusive_group(required=True)
         source.add_argument("--password-file", type=Path, metavar="FILE", help="one user")
         source.add_argument(
@@ -623,7 +643,7 @@ def _parser() -> argparse.ArgumentParser:
     common(show)
     delete = commands.add_parser("delete-users", help="delete users (their connections close)")
     common(delete)
-    delete.add_argument("names", nargs="+", metavar="USER")
+    delete.add_argument("names", nargs="+", metavar="USER", type=_name)
     return parser
 
 

@@ -68,3 +68,27 @@ def test_a_readable_listing_still_makes_the_user(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     calls = log.read_text(encoding="utf-8").split()
     assert {"add_user", "set_permissions"} <= set(calls), calls
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("", "a name is empty"),
+        ("  ", "a name is empty"),
+        ("web\n1", "holds a control character"),
+        ("w" * 201, "is 201 characters long: at most 200"),
+    ],
+    ids=["empty", "blank", "newline", "too-long"],
+)
+@pytest.mark.parametrize("command", ["vm", "scale-set", "delete-users"])
+def test_a_user_name_that_is_a_mistake_is_refused_before_rabbitmqctl_runs(
+    tmp_path: Path, command: str, name: str, said: str
+) -> None:
+    fake, log = _rabbitmqctl(tmp_path, "list_users", "[]")
+    source = [] if command == "delete-users" else ["--password-stdin"]
+    result = run_script(
+        "--rabbitmqctl", str(fake), command, "--vhost", "relay", *source, name, stdin="secret\n"
+    )
+    assert result.returncode == 2, result.stdout
+    assert said in result.stderr
+    assert not log.exists()  # no rabbitmqctl call at all
