@@ -41,6 +41,7 @@ from schemas import (
     event_version,
     load_signing_key,
 )
+from schemas._files import read_setting_file
 from schemas.approvals import write_key_pair
 from schemas.observability import HealthServer, LineFormatter, Registry
 from schemas.origin import OriginVerifier
@@ -98,10 +99,10 @@ def _secret(value: str | None, path: str | None, what: str) -> str | None:
     if not path:
         return value
     try:
-        with Path(path).open("rb") as handle:
-            raw = handle.read(_MAX_SECRET_BYTES)  # the first line is all that is used
-    except OSError as exc:
-        raise ConfigError(f"--{what}-file: cannot read {path}: {exc.strerror}") from exc
+        # The first line is all that is used: a longer file is read no further.
+        raw = read_setting_file(Path(path), _MAX_SECRET_BYTES, "the file")[:_MAX_SECRET_BYTES]
+    except ConfigError as exc:
+        raise ConfigError(f"--{what}-file: {exc}") from exc
     try:
         text = raw.decode().strip().splitlines()
     except UnicodeDecodeError as exc:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from schemas import ConfigError, EventSource, EventType, HookResultMessage, VmIdentity
+from schemas._files import read_setting_file
 
 from ._fleet import GROUP_KEYS, EventPhase, EventState, FleetView
 
@@ -463,11 +464,7 @@ def load_policy_file(path: Path) -> PolicySet:
     """The policies of a TOML file. Whatever the file holds, :class:`ConfigError` naming it
     (not readable, too large, not UTF-8, not TOML, not a policy): the approver refuses to start
     with one line saying why."""
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_POLICY_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the policy file {path}: {exc.strerror}") from exc
+    raw = read_setting_file(path, MAX_POLICY_BYTES, "the policy file")
     if len(raw) > MAX_POLICY_BYTES:
         raise ConfigError(
             f"{path} is larger than {MAX_POLICY_BYTES // 1024} KiB: not a policy file"

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from schemas import ConfigError, ImdsError
 from schemas._backoff import Backoff
+from schemas._files import NotARegularFile, read_regular_file
 from schemas.origin import ATTESTATION, KEY, SIGNATURE, key_nonce
 
-from ._files import NotARegularFile, read_regular_file
 from ._imds import ImdsClient
 
 if TYPE_CHECKING:

@@ -30,12 +30,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from schemas import API_VERSIONS, DEFAULT_API_VERSION, ConfigError
+from schemas._files import NotARegularFile, read_regular_file
 from schemas.channels import DEFAULT_CHANNELS, ChannelNames
 from schemas.transitions import TransitionKind
 from schemas.transport import broker_kind, redact
 from schemas.transport._amqp_settings import parse_amqp_url
-
-from ._files import NotARegularFile, read_regular_file
 
 __all__ = ["ENV_PREFIX", "AgentSettings", "HookSpec", "parse_settings"]
 

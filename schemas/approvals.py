@@ -43,6 +43,7 @@ from pydantic import (
 )
 
 from ._errors import ApprovalRejected, ConfigError, RejectReason, SchemaError
+from ._files import read_setting_file
 from .fingerprints import EVENT_VERSION_DEFINITION
 from .identity import MAX_KEY_LENGTH
 from .versioning import SCHEMA_VERSION, check_version
@@ -363,10 +364,14 @@ def load_signing_key(path: Path) -> Ed25519PrivateKey:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    data = read_setting_file(path, _MAX_KEY_FILE, "the signing key")
+    if len(data) > _MAX_KEY_FILE:
+        raise ConfigError(
+            f"{path} is not a PEM private key: over {_MAX_KEY_FILE // 1024} KiB (an Ed25519 one "
+            "is about 119 bytes)"
+        )
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the signing key {path}: {exc.strerror}") from exc
+        key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise ConfigError(f"{path} is not an unencrypted PEM private key: {exc}") from exc
     if not isinstance(key, Ed25519PrivateKey):
@@ -389,11 +394,7 @@ def load_public_keys(paths: Iterable[Path]) -> dict[str, TrustedKey]:
     :class:`TrustedKey`)."""
     keys: dict[str, TrustedKey] = {}
     for path in paths:
-        try:
-            with path.open("rb") as handle:
-                data = handle.read(_MAX_KEY_FILE + 1)
-        except OSError as exc:
-            raise ConfigError(f"cannot read the trust key {path}: {exc.strerror}") from exc
+        data = read_setting_file(path, _MAX_KEY_FILE, "the trust key")
         if len(data) > _MAX_KEY_FILE:
             raise ConfigError(
                 f"{path} is not a PEM public key: over {_MAX_KEY_FILE // 1024} KiB (one is "

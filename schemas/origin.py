@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ConfigError, RelayError
+from ._files import read_setting_file
 
 __all__ = [
     "ATTESTATION",
@@ -113,10 +114,9 @@ def load_trusted_certificates(paths: Iterable[Path]) -> list[Any]:
 
     found: list[Any] = []
     for path in paths:
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the attestation CA {path}: {exc.strerror}") from exc
+        data = read_setting_file(path, _MAX_CA_FILE, "the attestation CA")
+        if len(data) > _MAX_CA_FILE:
+            raise ConfigError(f"the attestation CA {path} is larger than 1 MiB")
         try:
             found.extend(x509.load_pem_x509_certificates(data))
         except ValueError as exc:
@@ -257,6 +257,8 @@ def _chains(cert: Any, carried: list[Any], trusted: list[Any], now: datetime) ->
 
 #: The most of an inventory file read (a fleet of 100,000 VMs is about 6 MiB).
 _MAX_INVENTORY_BYTES = 64 << 20
+#: The most of an attestation CA file read (a PEM bundle of a few certificates).
+_MAX_CA_FILE = 1 << 20
 
 
 def _name_like(text: str) -> bool:
@@ -301,11 +303,7 @@ class OriginVerifier:
         not a line left out (the VM it meant to pin would take the first vmId seen): so are
         a name given twice with two vmIds, and a file that is not UTF-8 CSV."""
         where = f"the VM inventory {path}"
-        try:
-            with path.open("rb") as handle:
-                raw = handle.read(_MAX_INVENTORY_BYTES + 1)
-        except OSError as exc:
-            raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from exc
+        raw = read_setting_file(path, _MAX_INVENTORY_BYTES, "the VM inventory")
         if len(raw) > _MAX_INVENTORY_BYTES:
             raise ConfigError(f"{where} is larger than {_MAX_INVENTORY_BYTES >> 20} MiB")
         try:

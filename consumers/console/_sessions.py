@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from schemas import ConfigError
+from schemas._files import read_setting_file
 
 from ._users import Role
 
@@ -41,6 +42,8 @@ __all__ = ["Attempt", "Session", "SessionCodec", "SignInBrake", "Throttle", "loa
 
 log = logging.getLogger("consumers.console")
 
+#: The most of a session key file read (a key is 32 characters or so).
+_MAX_SESSION_KEY_FILE = 64 * 1024
 #: How long a session lasts by default.
 DEFAULT_SESSION_SECONDS = 12 * 3600
 
@@ -50,10 +53,10 @@ def load_session_key(path: Path | None) -> bytes:
     random one when no file is given."""
     if path is None:
         return secrets.token_bytes(32)
-    try:
-        text = path.read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the session key {path}: {exc.strerror}") from exc
+    data = read_setting_file(path, _MAX_SESSION_KEY_FILE, "the session key")
+    if len(data) > _MAX_SESSION_KEY_FILE:
+        raise ConfigError(f"the session key {path} is larger than 64 KiB: not a key")
+    text = data.strip()
     if len(text) < 32:
         raise ConfigError(
             f"the session key in {path} is too short (at least 32 characters): make one with "

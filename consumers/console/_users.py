@@ -32,6 +32,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from schemas import ConfigError
+from schemas._files import read_setting_file
 
 __all__ = [
     "DEFAULT_ITERATIONS",
@@ -173,11 +174,24 @@ def _parse_line(path: Path, number: int, line: str) -> User:
         raise ConfigError(f"{path}:{number}: {exc}") from None
 
 
-def _read(path: Path) -> dict[str, User]:
+#: The most of a users file read (a line of about 150 bytes a user).
+_MAX_USERS_FILE = 16 << 20
+
+
+def _text(path: Path) -> str:
+    """The users file's text: a regular UTF-8 file of at most :data:`_MAX_USERS_FILE` bytes,
+    else :class:`ConfigError` saying which and why."""
+    data = read_setting_file(path, _MAX_USERS_FILE, "the users file")
+    if len(data) > _MAX_USERS_FILE:
+        raise ConfigError(f"the users file {path} is larger than 16 MiB")
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the users file {path}: {exc.strerror}") from exc
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the users file {path} is not UTF-8 (byte {exc.start})") from exc
+
+
+def _read(path: Path) -> dict[str, User]:
+    text = _text(path)
     users: dict[str, User] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
@@ -283,7 +297,7 @@ def write_user(
     replaced = False
     if path.exists():
         _read(path)  # refuse to rewrite a file we cannot read as a users file
-        for raw in path.read_text().splitlines():
+        for raw in _text(path).splitlines():
             existing = raw.strip()
             is_user = existing and not existing.startswith("#")
             if is_user and existing.partition(":")[0].casefold() == name.casefold():
@@ -297,7 +311,7 @@ def write_user(
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:
-        with os.fdopen(fd, "w") as out:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write("\n".join(lines) + "\n")
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)

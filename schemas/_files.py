@@ -1,4 +1,5 @@
-"""Reading the small files the agent is given (settings, secrets, its origin key)."""
+"""Reading the small files the agent and the central services are given (settings, secrets,
+keys, policies): a regular file, read without blocking and never past a limit."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["NotARegularFile", "read_regular_file"]
+from ._errors import ConfigError
+
+__all__ = ["NotARegularFile", "read_regular_file", "read_setting_file"]
 
 
 class NotARegularFile(OSError):
@@ -32,3 +35,16 @@ def read_regular_file(path: Path, limit: int) -> bytes:
         return data
     finally:
         os.close(descriptor)
+
+
+def read_setting_file(path: Path, limit: int, what: str) -> bytes:
+    """:func:`read_regular_file` for a file a command is given (``what``: "the signing key"):
+    at most ``limit + 1`` bytes (the caller says what a longer one is), :class:`ConfigError`
+    naming it when it cannot be read or is not a regular file (a FIFO, ``/dev/zero``, a
+    directory)."""
+    try:
+        return read_regular_file(path, limit)
+    except NotARegularFile as exc:
+        raise ConfigError(f"{what} {path} is not a regular file") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
