@@ -1,9 +1,9 @@
 """Every file a central command is given (its signing key, policy, broker URL, attestation CA,
-console users and session key) may be what it should not: a FIFO nobody writes to, a link to
-``/dev/zero``, a directory. Each is one line and exit 2 at once, as the agent's files are
-(``tests/publisher/test_settings_hostile.py``): before, the command waited for ever on a FIFO,
-and read ``/dev/zero`` as a signing key until memory ran out. Each command runs as the user
-runs it: a subprocess of the installed entry point."""
+console users and session key; the IMDS simulator's topology and CA) may be what it should not
+be: a FIFO nobody writes to, a link to ``/dev/zero``, a directory. Each is one line and exit 2
+at once, as the agent's files are (``tests/publisher/test_settings_hostile.py``): before, the
+command waited for ever on a FIFO, and read ``/dev/zero`` as a signing key until memory ran
+out. Each command runs as the user runs it: a subprocess of the installed entry point."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from schemas.approvals import write_key_pair
 
 ROOT = Path(__file__).parents[1]
 
-#: Each command with one file flag at ``{bad}``; ``{key}`` and ``{users}`` are good files.
+#: Each central command with one file flag at ``{bad}``; ``{key}``, ``{users}`` are good files.
 COMMANDS = {
     "signing-key": ["approver", "--broker", "memory://x", "--signing-key", "{bad}"],
     "policy": ["approver", "--broker", "memory://x", "--signing-key", "{key}", "--policy", "{bad}"],
@@ -37,6 +37,11 @@ COMMANDS = {
     "session-key": [
         "console", "--broker", "memory://x", "--users", "{users}", "--db", "sqlite:///{db}",
         "--session-key-file", "{bad}",
+    ],
+    # The IMDS simulator (``python -m publisher.simulator``): its fleet and its attestation CA.
+    "simulator-topology": ["--simulator", "--topology", "{bad}"],
+    "simulator-ca": [
+        "--simulator", "--attestation-ca-cert", "{bad}", "--attestation-ca-key", "{key}",
     ],
 }  # fmt: skip
 
@@ -72,8 +77,11 @@ def test_a_file_that_is_not_a_regular_one_is_one_line_at_once(
     KINDS[kind](bad)
     db = tmp_path / "never-made.db"
     argv = [a.format(bad=bad, key=key, users=users, db=db) for a in COMMANDS[command]]
+    module = "consumers"
+    if argv[0] == "--simulator":
+        module, argv = "publisher.simulator", argv[1:]
     result = subprocess.run(
-        [sys.executable, "-m", "consumers", *argv],
+        [sys.executable, "-m", module, *argv],
         capture_output=True,
         text=True,
         timeout=30,  # a FIFO held the command for ever
@@ -82,6 +90,9 @@ def test_a_file_that_is_not_a_regular_one_is_one_line_at_once(
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr
-    assert len(lines) == 1, result.stderr
-    assert f"{bad} is not a regular file" in lines[0]
+    assert "Traceback" not in result.stderr
+    if module == "consumers":
+        assert len(lines) == 1, result.stderr
+    # (The simulator says its usage first, as for any bad flag.)
+    assert f"{bad} is not a regular file" in lines[-1]
     assert not db.exists()

@@ -15,6 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from schemas import ConfigError as RelayConfigError
+from schemas._files import read_setting_file
+
 from ._attestation import AttestationCa
 from ._config import Shard, SimulatorConfig
 from ._errors import ConfigError, ScenarioError, SimulatorError
@@ -295,15 +298,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The most of a PEM file read (a certificate or a key is a few KiB).
+_MAX_PEM_FILE = 1 << 20
+
+
 def _attestation_ca(certificate: str | None, key: str | None) -> AttestationCa | None:
     if certificate is None and key is None:
         return None
     if certificate is None or key is None:
         raise ConfigError("give both --attestation-ca-cert and --attestation-ca-key")
     try:
-        return AttestationCa.from_pem(Path(certificate).read_bytes(), Path(key).read_bytes())
-    except OSError as exc:
-        raise ConfigError(f"attestation CA: cannot read: {exc}") from exc
+        pems = [
+            read_setting_file(Path(path), _MAX_PEM_FILE, what)[:_MAX_PEM_FILE]
+            for path, what in ((certificate, "the attestation CA"), (key, "the attestation CA key"))
+        ]
+    except RelayConfigError as exc:  # the simulator's own, which its command says in one line
+        raise ConfigError(str(exc)) from exc
+    return AttestationCa.from_pem(*pems)
 
 
 def _build(

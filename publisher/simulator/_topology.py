@@ -44,6 +44,9 @@ from pydantic import (
     model_validator,
 )
 
+from schemas import ConfigError as RelayConfigError
+from schemas._files import read_setting_file
+
 from ._errors import ConfigError, describe_validation_error
 
 __all__ = [
@@ -60,6 +63,8 @@ _NAMESPACE = uuid.UUID("0b8e4f1e-5a43-4a51-b1d3-6f0f2f6c9a11")
 _SET_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 _SCALE_SET_VM = re.compile(r"^(?P<scale_set>[A-Za-z0-9][A-Za-z0-9._-]*)_(?P<instance>\d+)$")
 _IMPLICIT_ZONES = ("1", "2", "3")
+#: The most of a topology file read (a fleet of 10,000 VMs is about 1 MiB of JSON).
+_MAX_TOPOLOGY_FILE = 16 << 20
 _STANDALONE_FAULT_DOMAINS = 3
 _STANDALONE_UPDATE_DOMAINS = 5
 
@@ -275,9 +280,15 @@ def load_topology(path: str | Path) -> Topology:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+        data = read_setting_file(path, _MAX_TOPOLOGY_FILE, "the topology file")
+    except RelayConfigError as exc:  # the simulator's own, which its command says in one line
+        raise ConfigError(str(exc)) from exc
+    if len(data) > _MAX_TOPOLOGY_FILE:
+        raise ConfigError(f"the topology file {path} is larger than 16 MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the topology file {path} is not UTF-8 (byte {exc.start})") from exc
     document: Any
     try:
         if path.suffix == ".json":
