@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from schemas import API_VERSIONS, DEFAULT_API_VERSION, ConfigError
-from schemas._files import NotARegularFile, read_regular_file
+from schemas._files import read_setting_text
 from schemas.channels import DEFAULT_CHANNELS, ChannelNames
 from schemas.transitions import TransitionKind
 from schemas.transport import broker_kind, redact
@@ -620,17 +620,9 @@ def _read_text(path: Path, name: str, limit: int) -> str:
     secret."""
     _check_path(name, path)
     try:
-        data = read_regular_file(path, limit)
-    except NotARegularFile as exc:
-        raise ConfigError(f"{name}: {path} is not a regular file") from exc
-    except OSError as exc:
-        raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from exc
-    if len(data) > limit:
-        raise ConfigError(f"{name}: {path} is larger than {limit // 1024} KiB: not one to read")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{name}: {path} is not UTF-8 (byte {exc.start})") from exc
+        return read_setting_text(path, limit, "", encoding="utf-8-sig")
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from exc
 
 
 def _read_secret(path: Path, name: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ._errors import ConfigError
 
-__all__ = ["NotARegularFile", "read_regular_file", "read_setting_file"]
+__all__ = ["NotARegularFile", "read_regular_file", "read_setting_file", "read_setting_text"]
 
 
 class NotARegularFile(OSError):
@@ -38,13 +38,28 @@ def read_regular_file(path: Path, limit: int) -> bytes:
 
 
 def read_setting_file(path: Path, limit: int, what: str) -> bytes:
-    """:func:`read_regular_file` for a file a command is given (``what``: "the signing key"):
-    at most ``limit + 1`` bytes (the caller says what a longer one is), :class:`ConfigError`
-    naming it when it cannot be read or is not a regular file (a FIFO, ``/dev/zero``, a
-    directory)."""
+    """:func:`read_regular_file` for a file a command is given (``what``: "the signing key";
+    empty: the path alone names it): at most ``limit + 1`` bytes (the caller says what a
+    longer one is), :class:`ConfigError` naming it when it cannot be read or is not a regular
+    file (a FIFO, ``/dev/zero``, a directory)."""
+    named = f"{what} {path}" if what else str(path)
     try:
         return read_regular_file(path, limit)
     except NotARegularFile as exc:
-        raise ConfigError(f"{what} {path} is not a regular file") from exc
+        raise ConfigError(f"{named} is not a regular file") from exc
     except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"cannot read {named}: {exc.strerror or exc}") from exc
+
+
+def read_setting_text(path: Path, limit: int, what: str, *, encoding: str = "utf-8") -> str:
+    """:func:`read_setting_file` as text: :class:`ConfigError` naming it (``what``) when it
+    holds more than ``limit`` bytes or is not UTF-8 (``encoding``: ``utf-8-sig`` drops a BOM)."""
+    named = f"{what} {path}" if what else str(path)
+    data = read_setting_file(path, limit, what)
+    if len(data) > limit:
+        size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit >> 10} KiB"
+        raise ConfigError(f"{named} is larger than {size}")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{named} is not UTF-8 (byte {exc.start} is not)") from exc

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ConfigError, RelayError
-from ._files import read_setting_file
+from ._files import read_setting_file, read_setting_text
 
 __all__ = [
     "ATTESTATION",
@@ -303,13 +303,9 @@ class OriginVerifier:
         not a line left out (the VM it meant to pin would take the first vmId seen): so are
         a name given twice with two vmIds, and a file that is not UTF-8 CSV."""
         where = f"the VM inventory {path}"
-        raw = read_setting_file(path, _MAX_INVENTORY_BYTES, "the VM inventory")
-        if len(raw) > _MAX_INVENTORY_BYTES:
-            raise ConfigError(f"{where} is larger than {_MAX_INVENTORY_BYTES >> 20} MiB")
-        try:
-            text = raw.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{where} is not UTF-8 (byte {exc.start} is not)") from exc
+        text = read_setting_text(
+            path, _MAX_INVENTORY_BYTES, "the VM inventory", encoding="utf-8-sig"
+        )
         pairs: dict[str, str] = {}
         named: dict[str, int] = {}
         reader = csv.reader(io.StringIO(text, newline=""), strict=True)

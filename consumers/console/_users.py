@@ -32,7 +32,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from schemas import ConfigError
-from schemas._files import read_setting_file
+from schemas._files import read_setting_text
 
 __all__ = [
     "DEFAULT_ITERATIONS",
@@ -181,13 +181,7 @@ _MAX_USERS_FILE = 16 << 20
 def _text(path: Path) -> str:
     """The users file's text: a regular UTF-8 file of at most :data:`_MAX_USERS_FILE` bytes,
     else :class:`ConfigError` saying which and why."""
-    data = read_setting_file(path, _MAX_USERS_FILE, "the users file")
-    if len(data) > _MAX_USERS_FILE:
-        raise ConfigError(f"the users file {path} is larger than 16 MiB")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"the users file {path} is not UTF-8 (byte {exc.start})") from exc
+    return read_setting_text(path, _MAX_USERS_FILE, "the users file")
 
 
 def _read(path: Path) -> dict[str, User]:

@@ -45,7 +45,7 @@ from pydantic import (
 )
 
 from schemas import ConfigError as RelayConfigError
-from schemas._files import read_setting_file
+from schemas._files import read_setting_text
 
 from ._errors import ConfigError, describe_validation_error
 
@@ -280,15 +280,9 @@ def load_topology(path: str | Path) -> Topology:
     """
     path = Path(path)
     try:
-        data = read_setting_file(path, _MAX_TOPOLOGY_FILE, "the topology file")
+        text = read_setting_text(path, _MAX_TOPOLOGY_FILE, "the topology file")
     except RelayConfigError as exc:  # the simulator's own, which its command says in one line
         raise ConfigError(str(exc)) from exc
-    if len(data) > _MAX_TOPOLOGY_FILE:
-        raise ConfigError(f"the topology file {path} is larger than 16 MiB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"the topology file {path} is not UTF-8 (byte {exc.start})") from exc
     document: Any
     try:
         if path.suffix == ".json":
