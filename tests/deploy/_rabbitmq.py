@@ -154,3 +154,24 @@ def relay_vhost(
     finally:
         for command in (["delete_vhost", relay.vhost], *(["delete_user", u] for u in relay.users)):
             subprocess.run([ctl, *command], capture_output=True, text=True, timeout=60, check=False)
+
+
+def stand_in_rabbitmqctl(
+    tmp_path: Path, listing: str | None = None, answer: str = ""
+) -> tuple[Path, Path]:
+    """A stand-in rabbitmqctl (a shell script; the shared broker's answers are well formed):
+    ``listing`` (e.g. ``list_vhosts``) answers ``answer``, the other listings a vhost ``relay``
+    with no users, every other call succeeds; each call is written to the log returned."""
+    fake, log, text = tmp_path / "rabbitmqctl", tmp_path / "calls.log", tmp_path / "answer"
+    text.write_text(answer, encoding="utf-8")
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$1" >> "{log}"\n'
+        + (f'if [ "$1" = {listing} ]; then cat "{text}"; exit 0; fi\n' if listing else "")
+        + 'if [ "$1" = list_vhosts ]; then echo \'[{"name": "relay"}]\'; exit 0; fi\n'
+        'case "$1" in list_*) echo "[]";; esac\n'
+        "exit 0\n",
+        encoding="utf-8",
+    )
+    fake.chmod(0o755)
+    return fake, log

@@ -17,22 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ._rabbitmq import SCRIPT
-
-
-def _rabbitmqctl(tmp_path: Path) -> tuple[Path, Path]:
-    """A stand-in rabbitmqctl: a vhost ``relay``, no users; every call written to the log."""
-    fake, log = tmp_path / "rabbitmqctl", tmp_path / "calls.log"
-    fake.write_text(
-        "#!/bin/sh\n"
-        f'echo "$1" >> "{log}"\n'
-        'if [ "$1" = list_vhosts ]; then echo \'[{"name": "relay"}]\'; exit 0; fi\n'
-        'case "$1" in list_*) echo "[]";; esac\n'
-        "exit 0\n",
-        encoding="utf-8",
-    )
-    fake.chmod(0o755)
-    return fake, log
+from ._rabbitmq import SCRIPT, stand_in_rabbitmqctl
 
 
 def _not_utf8(path: Path) -> None:
@@ -77,7 +62,7 @@ def test_a_password_file_the_script_cannot_take_is_said_before_any_user_is_made(
     tmp_path: Path, source: str, kind: str
 ) -> None:
     make, said = HOSTILE[kind]
-    fake, log = _rabbitmqctl(tmp_path)
+    fake, log = stand_in_rabbitmqctl(tmp_path)
     directory = tmp_path / "passwords"
     directory.mkdir()
     path = directory / "web-1"
@@ -102,7 +87,7 @@ def test_standard_input_that_is_not_utf8_is_said() -> None:
 
 
 def test_a_readable_password_file_still_makes_the_user(tmp_path: Path) -> None:
-    fake, log = _rabbitmqctl(tmp_path)
+    fake, log = stand_in_rabbitmqctl(tmp_path)
     secret = tmp_path / "web-1.password"
     secret.write_text("s3cret\n", encoding="utf-8")
     result = _run(

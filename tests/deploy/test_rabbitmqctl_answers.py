@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ._rabbitmq import run_script
+from ._rabbitmq import run_script, stand_in_rabbitmqctl
 
 #: What a broken, mismatched or hostile rabbitmqctl may print for a listing.
 UNREADABLE = {
@@ -23,30 +23,12 @@ UNREADABLE = {
 }
 
 
-def _rabbitmqctl(tmp_path: Path, listing: str, answer: str) -> tuple[Path, Path]:
-    """A stand-in rabbitmqctl: ``listing`` (e.g. ``list_vhosts``) answers ``answer``, the other
-    listings a vhost ``relay`` with no users, and every call is written to the log returned."""
-    fake, log, text = tmp_path / "rabbitmqctl", tmp_path / "calls.log", tmp_path / "answer"
-    text.write_text(answer, encoding="utf-8")
-    fake.write_text(
-        "#!/bin/sh\n"
-        f'echo "$1" >> "{log}"\n'
-        f'if [ "$1" = {listing} ]; then cat "{text}"; exit 0; fi\n'
-        'if [ "$1" = list_vhosts ]; then echo \'[{"name": "relay"}]\'; exit 0; fi\n'
-        'case "$1" in list_*) echo "[]";; esac\n'
-        "exit 0\n",
-        encoding="utf-8",
-    )
-    fake.chmod(0o755)
-    return fake, log
-
-
 @pytest.mark.parametrize("listing", ["list_vhosts", "list_users"])
 @pytest.mark.parametrize("answer", list(UNREADABLE.values()), ids=list(UNREADABLE))
 def test_a_listing_the_script_cannot_read_stops_it_before_any_user_is_made(
     tmp_path: Path, listing: str, answer: str
 ) -> None:
-    fake, log = _rabbitmqctl(tmp_path, listing, answer)
+    fake, log = stand_in_rabbitmqctl(tmp_path, listing, answer)
     result = run_script(
         "--rabbitmqctl", str(fake), "vm", "--vhost", "relay", "--password-stdin", "web-1",
         stdin="secret\n",
@@ -60,7 +42,7 @@ def test_a_listing_the_script_cannot_read_stops_it_before_any_user_is_made(
 
 
 def test_a_readable_listing_still_makes_the_user(tmp_path: Path) -> None:
-    fake, log = _rabbitmqctl(tmp_path, "list_users", '[{"user": "guest", "tags": []}]')
+    fake, log = stand_in_rabbitmqctl(tmp_path, "list_users", '[{"user": "guest", "tags": []}]')
     result = run_script(
         "--rabbitmqctl", str(fake), "vm", "--vhost", "relay", "--password-stdin", "web-1",
         stdin="secret\n",
@@ -84,7 +66,7 @@ def test_a_readable_listing_still_makes_the_user(tmp_path: Path) -> None:
 def test_a_user_name_that_is_a_mistake_is_refused_before_rabbitmqctl_runs(
     tmp_path: Path, command: str, name: str, said: str
 ) -> None:
-    fake, log = _rabbitmqctl(tmp_path, "list_users", "[]")
+    fake, log = stand_in_rabbitmqctl(tmp_path, "list_users", "[]")
     source = [] if command == "delete-users" else ["--password-stdin"]
     result = run_script(
         "--rabbitmqctl", str(fake), command, "--vhost", "relay", *source, name, stdin="secret\n"
