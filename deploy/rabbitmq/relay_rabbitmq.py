@@ -92,6 +92,15 @@ MAX_MESSAGE_SIZE = 512 * 1024
 #: (its ``sockets_limit``), the busiest process of a 2,000-VM fleet run's broker by reductions
 #: was its file handle cache, and 2,000 classic queues v2 failed with ``emfile``.
 MIN_OPEN_FILES = 65536
+#: Beside two a VM (``vhost --vms N``): the central services' connections, the node's own files.
+_OPEN_FILES_BESIDE = 1024
+
+
+def open_files_needed(vms: int | None) -> int:
+    """The open files the node should be allowed: :data:`MIN_OPEN_FILES` for a fleet of a size
+    not given; for ``vms`` VMs two each (a connection, its approvals queue's file) and
+    :data:`_OPEN_FILES_BESIDE`."""
+    return MIN_OPEN_FILES if vms is None else 2 * vms + _OPEN_FILES_BESIDE
 
 
 class SetupError(Exception):
@@ -483,9 +492,10 @@ def max_message_size_warning(ctl: Rabbitmqctl) -> str | None:
     )
 
 
-def open_files_warning(ctl: Rabbitmqctl) -> str | None:
-    """What to tell the operator when the node may hold fewer than :data:`MIN_OPEN_FILES` open
-    files (its process's ``ulimit -n``, which no vhost or ``rabbitmq.conf`` setting raises)."""
+def open_files_warning(ctl: Rabbitmqctl, vms: int | None = None) -> str | None:
+    """What to tell the operator when the node may hold fewer open files than
+    :func:`open_files_needed` (its process's ``ulimit -n``, which no vhost or ``rabbitmq.conf``
+    setting raises)."""
     try:
         status = json.loads(ctl.run("status", "--formatter", "json", mutating=False) or "{}")
         limits = status["file_descriptors"]
@@ -493,14 +503,19 @@ def open_files_warning(ctl: Rabbitmqctl) -> str | None:
     except (SetupError, ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
         # OverflowError: a limit of 1e400 (JSON's infinity); RecursionError: nesting too deep.
         return f"could not read the broker's open-files limit ({exc!r})"
-    if total >= MIN_OPEN_FILES:
+    needed = open_files_needed(vms)
+    if total >= needed:
         return None
+    fleet = (
+        "a fleet needs about two per VM (RabbitMQ's production checklist: 50,000 or more)"
+        if vms is None
+        else f"a fleet of {vms:,} VMs needs about {needed:,}"
+    )
     return (
         f"the broker node may hold {total:,} open files, {sockets:,} of them connections: each "
         "agent holds a connection, and each VM's approvals queue a file while an approval waits "
-        f"in it, so a fleet needs about two per VM (RabbitMQ's production checklist: 50,000 or "
-        "more); short of them the node has no room for more connections, and its classic queues "
-        "churn their files (3.x) or fail (classic queues v2: emfile)"
+        f"in it, so {fleet}; short of them the node has no room for more connections, and its "
+        "classic queues churn their files (3.x) or fail (classic queues v2: emfile)"
     )
 
 
@@ -537,6 +552,16 @@ def _users(args: argparse.Namespace) -> list[User]:
     }[args.command]
     group = args.group or {"approver": "approver", "audit": "audit", "tail": "tail"}[args.command]
     return [User(name, args.command, make(group)) for name in args.names]
+
+
+def _fleet_size(text: str) -> int:
+    try:
+        vms = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of VMs") from None
+    if not 1 <= vms <= 10_000_000:
+        raise argparse.ArgumentTypeError(f"{vms} VMs: give 1 to 10,000,000")
+    return vms
 
 
 #: The longest name the contract carries (a VM's in every message): ``schemas.MAX_KEY_LENGTH``.
@@ -593,6 +618,13 @@ def _parser() -> argparse.ArgumentParser:
     common(vhost)
     vhost.add_argument("--approvals-max-length", type=int, default=100, metavar="N")
     vhost.add_argument("--unrouted-max-length", type=int, default=100_000, metavar="N")
+    vhost.add_argument(
+        "--vms",
+        type=_fleet_size,
+        metavar="N",
+        help="the fleet's size, for the open-files check: two files a VM and "
+        f"{_OPEN_FILES_BESIDE:,} beside (default: at least {MIN_OPEN_FILES:,}, for any fleet)",
+    )
 
     helps = {
         "vm": "one user per VM (NAME: the VM's name, as IMDS gives it)",
@@ -662,10 +694,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"max_message_size, {MAX_MESSAGE_SIZE}).')",
                     file=sys.stderr,
                 )
-            if not args.dry_run and (warning := open_files_warning(ctl)):
+            if not args.dry_run and (warning := open_files_warning(ctl, args.vms)):
+                limit = max(open_files_needed(args.vms), MIN_OPEN_FILES)
                 print(
                     f"relay_rabbitmq.py: warning: {warning}: raise the node's limit to "
-                    f"{MIN_OPEN_FILES:,} or more (systemd: LimitNOFILE={MIN_OPEN_FILES} in a "
+                    f"{limit:,} or more (systemd: LimitNOFILE={limit} in a "
                     "drop-in for rabbitmq-server.service; else `ulimit -n` where it starts) and "
                     "restart it",
                     file=sys.stderr,

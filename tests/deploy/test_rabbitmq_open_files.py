@@ -88,3 +88,34 @@ def test_a_status_the_script_cannot_read_is_said_and_the_vhost_still_made(
     assert result.returncode == 0, result.stderr
     assert "could not read the broker's open-files limit" in result.stderr
     assert "ready with 2 policies" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("vms", "warned"),
+    [(5000, None), (9000, None), (10_000, "a fleet of 10,000 VMs needs about 21,024")],
+    ids=["5000-vms", "9000-vms", "10000-vms"],
+)
+def test_the_fleet_size_sets_the_open_files_the_node_needs(
+    tmp_path: Path, vms: int, warned: str | None
+) -> None:
+    """Two files a VM and 1,024 beside: a node that may hold 20,000 serves 9,000 VMs, not
+    10,000 (without ``--vms`` it is warned about, below 65,536)."""
+    status = {"file_descriptors": {"total_limit": 20_000, "sockets_limit": 17_000}}
+    fake = _fake_rabbitmqctl(tmp_path, json.dumps(status))
+    result = run_script("--rabbitmqctl", str(fake), "vhost", "--vhost", "relay", "--vms", str(vms))
+    assert result.returncode == 0, result.stderr
+    if warned is None:
+        assert "warning" not in result.stderr
+    else:
+        assert warned in result.stderr
+        assert f"LimitNOFILE={MIN_OPEN_FILES}" in result.stderr  # the usual limit covers it
+    unsized = run_script("--rabbitmqctl", str(fake), "vhost", "--vhost", "relay")
+    assert "the broker node may hold 20,000 open files" in unsized.stderr
+
+
+@pytest.mark.parametrize("vms", ["0", "-5", "many", "20000000"])
+def test_a_fleet_size_that_is_not_one_is_refused(tmp_path: Path, vms: str) -> None:
+    fake = _fake_rabbitmqctl(tmp_path, "{}")
+    result = run_script("--rabbitmqctl", str(fake), "vhost", "--vhost", "relay", "--vms", vms)
+    assert result.returncode == 2
+    assert "argument --vms" in result.stderr
