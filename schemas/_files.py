@@ -13,7 +13,7 @@ __all__ = ["NotARegularFile", "read_regular_file", "read_setting_file", "read_se
 
 
 class NotARegularFile(OSError):
-    """The path is a FIFO, a device, a directory...: nothing the agent reads."""
+    """The path is a FIFO, a device, a directory...: nothing the agent or a command reads."""
 
 
 def read_regular_file(path: Path, limit: int) -> bytes:
