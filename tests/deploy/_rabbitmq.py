@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,21 +157,23 @@ def relay_vhost(
 
 
 def stand_in_rabbitmqctl(
-    tmp_path: Path, listing: str | None = None, answer: str = ""
+    tmp_path: Path, answers: Mapping[str, str] | None = None
 ) -> tuple[Path, Path]:
     """A stand-in rabbitmqctl (a shell script; the shared broker's answers are well formed):
-    ``listing`` (e.g. ``list_vhosts``) answers ``answer``, the other listings a vhost ``relay``
-    with no users, every other call succeeds; each call is written to the log returned."""
-    fake, log, text = tmp_path / "rabbitmqctl", tmp_path / "calls.log", tmp_path / "answer"
-    text.write_text(answer, encoding="utf-8")
-    fake.write_text(
-        "#!/bin/sh\n"
-        f'echo "$1" >> "{log}"\n'
-        + (f'if [ "$1" = {listing} ]; then cat "{text}"; exit 0; fi\n' if listing else "")
-        + 'if [ "$1" = list_vhosts ]; then echo \'[{"name": "relay"}]\'; exit 0; fi\n'
+    each command in ``answers`` (``list_users``, ``status``, ``eval``...) prints its answer,
+    ``list_vhosts`` otherwise a vhost ``relay`` and the other listings none; every call
+    succeeds and is written to the log returned."""
+    fake, log = tmp_path / "rabbitmqctl", tmp_path / "calls.log"
+    script = f'#!/bin/sh\necho "$1" >> "{log}"\n'
+    for number, (command, answer) in enumerate((answers or {}).items()):
+        text = tmp_path / f"answer-{number}"
+        text.write_text(answer, encoding="utf-8")
+        script += f'if [ "$1" = {command} ]; then cat "{text}"; exit 0; fi\n'
+    script += (
+        'if [ "$1" = list_vhosts ]; then echo \'[{"name": "relay"}]\'; exit 0; fi\n'
         'case "$1" in list_*) echo "[]";; esac\n'
-        "exit 0\n",
-        encoding="utf-8",
+        "exit 0\n"
     )
+    fake.write_text(script, encoding="utf-8")
     fake.chmod(0o755)
     return fake, log

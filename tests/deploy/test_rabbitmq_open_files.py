@@ -16,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from ._rabbitmq import rabbitmqctl_or_skip, run_script, vhost_command_on_the_broker
+from ._rabbitmq import (
+    rabbitmqctl_or_skip,
+    run_script,
+    stand_in_rabbitmqctl,
+    vhost_command_on_the_broker,
+)
 
 MIN_OPEN_FILES = 65536
 
@@ -46,17 +51,7 @@ def test_the_vhost_command_says_how_to_raise_a_low_open_files_limit() -> None:
 def _fake_rabbitmqctl(tmp_path: Path, status: str) -> Path:
     """A stand-in for rabbitmqctl (the shared broker's limit cannot be changed for one test):
     it accepts every call, answers ``status`` with ``status`` and the message size with 512 KiB."""
-    fake = tmp_path / "rabbitmqctl"
-    answer = tmp_path / "status.json"
-    answer.write_text(status, encoding="utf-8")
-    fake.write_text(
-        "#!/bin/sh\n"
-        f'if [ "$1" = status ]; then cat "{answer}"; fi\n'
-        'if [ "$1" = eval ]; then echo "{ok,524288}"; fi\n'
-        "exit 0\n",
-        encoding="utf-8",
-    )
-    fake.chmod(0o755)
+    fake, _ = stand_in_rabbitmqctl(tmp_path, {"status": status, "eval": "{ok,524288}"})
     return fake
 
 

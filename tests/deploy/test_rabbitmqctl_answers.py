@@ -28,7 +28,7 @@ UNREADABLE = {
 def test_a_listing_the_script_cannot_read_stops_it_before_any_user_is_made(
     tmp_path: Path, listing: str, answer: str
 ) -> None:
-    fake, log = stand_in_rabbitmqctl(tmp_path, listing, answer)
+    fake, log = stand_in_rabbitmqctl(tmp_path, {listing: answer})
     result = run_script(
         "--rabbitmqctl", str(fake), "vm", "--vhost", "relay", "--password-stdin", "web-1",
         stdin="secret\n",
@@ -42,7 +42,7 @@ def test_a_listing_the_script_cannot_read_stops_it_before_any_user_is_made(
 
 
 def test_a_readable_listing_still_makes_the_user(tmp_path: Path) -> None:
-    fake, log = stand_in_rabbitmqctl(tmp_path, "list_users", '[{"user": "guest", "tags": []}]')
+    fake, log = stand_in_rabbitmqctl(tmp_path, {"list_users": '[{"user": "guest", "tags": []}]'})
     result = run_script(
         "--rabbitmqctl", str(fake), "vm", "--vhost", "relay", "--password-stdin", "web-1",
         stdin="secret\n",
@@ -66,7 +66,7 @@ def test_a_readable_listing_still_makes_the_user(tmp_path: Path) -> None:
 def test_a_user_name_that_is_a_mistake_is_refused_before_rabbitmqctl_runs(
     tmp_path: Path, command: str, name: str, said: str
 ) -> None:
-    fake, log = stand_in_rabbitmqctl(tmp_path, "list_users", "[]")
+    fake, log = stand_in_rabbitmqctl(tmp_path)
     source = [] if command == "delete-users" else ["--password-stdin"]
     result = run_script(
         "--rabbitmqctl", str(fake), command, "--vhost", "relay", *source, name, stdin="secret\n"
