@@ -178,14 +178,13 @@ def _parse_line(path: Path, number: int, line: str) -> User:
 _MAX_USERS_FILE = 16 << 20
 
 
-def _text(path: Path) -> str:
-    """The users file's text: a regular UTF-8 file of at most :data:`_MAX_USERS_FILE` bytes,
-    else :class:`ConfigError` saying which and why."""
-    return read_setting_text(path, _MAX_USERS_FILE, "the users file")
-
-
 def _read(path: Path) -> dict[str, User]:
-    text = _text(path)
+    """The users of the file ``path``: a regular UTF-8 file of at most :data:`_MAX_USERS_FILE`
+    bytes, each line a user, else :class:`ConfigError` saying which and why."""
+    return _parse(path, read_setting_text(path, _MAX_USERS_FILE, "the users file"))
+
+
+def _parse(path: Path, text: str) -> dict[str, User]:
     users: dict[str, User] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
@@ -290,8 +289,9 @@ def write_user(
     lines: list[str] = []
     replaced = False
     if path.exists():
-        _read(path)  # refuse to rewrite a file we cannot read as a users file
-        for raw in _text(path).splitlines():
+        text = read_setting_text(path, _MAX_USERS_FILE, "the users file")
+        _parse(path, text)  # refuse to rewrite a file we cannot read as a users file
+        for raw in text.splitlines():
             existing = raw.strip()
             is_user = existing and not existing.startswith("#")
             if is_user and existing.partition(":")[0].casefold() == name.casefold():
