@@ -283,7 +283,9 @@ def _read_password_file(path: Path) -> str:
     """The text of the password file ``path``: a regular file (a link to one, as a mounted
     secret is, is fine), UTF-8, at most :data:`_PASSWORD_LIMIT` bytes. Opened without blocking
     (a FIFO nobody writes to would hold the script for ever) and never read past the limit (a
-    link to ``/dev/zero``); :class:`SetupError` for anything else."""
+    link to ``/dev/zero``); :class:`SetupError` for anything else. The rule of
+    ``schemas/_files.py``, written here again: this script runs alone on a broker node, without
+    the package."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
