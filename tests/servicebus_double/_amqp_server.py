@@ -121,6 +121,10 @@ class _LinkState:
     #: The link's connection, kept from when the link opened: a closing link's endpoints may
     #: be gone by the time it is forgotten.
     connection: Any = None
+    #: The order links opened in (receivers competing for an entity are served oldest first).
+    seq: int = 0
+    #: Where the link is indexed (see ``ServiceBusHandler._index``), to be taken out again.
+    indexed: tuple[Any, ...] = ()
 
 
 def _ticks(epoch_seconds: float) -> int:
@@ -180,6 +184,16 @@ class ServiceBusHandler(Handler):
         self.port: int | None = None
         self.acceptor: Acceptor | None = None
         self._links: dict[str, Link] = {}
+        #: The open entity links that deliver to receivers, by each prefix of their path (lower
+        #: case), then by session (None: not a session receiver): a message pumps the links
+        #: of its entity and session only. Comparing every link's path and session for every
+        #: message (proton builds wrappers for each) left the double minutes behind with a
+        #: thousand agents' approvals sessions open.
+        self._deliverers: dict[str, dict[str | None, dict[str, None]]] = {}
+        #: The links that answer requests ($cbs, $management), by their session and source.
+        self._repliers: dict[tuple[Session, str], dict[str, None]] = {}
+        #: Session receivers waiting for any session to be free.
+        self._pending: dict[str, None] = {}
         #: The owners of each connection's links: a closed connection forgets its own links
         #: without comparing every link's connection (proton builds wrappers for each).
         self._owners_by_connection: dict[Any, set[str]] = {}
@@ -285,7 +299,7 @@ class ServiceBusHandler(Handler):
             self._forget_link(owner)
 
     def _forget_link(self, owner: str) -> None:
-        link = self._links.pop(owner, None)
+        link = self._drop_link(owner)
         if link is None:
             return
         state: _LinkState = link.sb_state
@@ -304,7 +318,8 @@ class ServiceBusHandler(Handler):
         address = terminus.address or ""
         link.snd_settle_mode = link.remote_snd_settle_mode
         link.rcv_settle_mode = link.remote_rcv_settle_mode
-        owner = f"link-{next(self._owner_ids)}:{link.name}"
+        seq = next(self._owner_ids)
+        owner = f"link-{seq}:{link.name}"
         try:
             state = self._classify(link, address, owner)
         except BrokerError as exc:
@@ -314,13 +329,52 @@ class ServiceBusHandler(Handler):
         link.source.copy(link.remote_source)
         link.target.copy(link.remote_target)
         link.sb_state = state
+        state.seq = seq
         self._links[owner] = link
         state.connection = link.connection
         self._owners_by_connection.setdefault(state.connection, set()).add(owner)
+        if state.kind is not _Kind.ENTITY and link.is_sender and terminus.address:
+            key = (link.session, terminus.address)
+            self._repliers.setdefault(key, {})[owner] = None
+            state.indexed = key
         if state.pending_until is not None:
+            self._pending[owner] = None
             self._serve_pending_sessions()
             return
         self._open_link(link, state)
+
+    def _index(self, state: _LinkState) -> None:
+        """Index an entity link that delivers to a receiver, once it is open."""
+        parts = state.path.lower().split("/")
+        prefixes = tuple("/".join(parts[: n + 1]) for n in range(len(parts)))
+        for prefix in prefixes:
+            by_session = self._deliverers.setdefault(prefix, {})
+            by_session.setdefault(state.session_id, {})[state.owner] = None
+        state.indexed = prefixes
+
+    def _drop_link(self, owner: str) -> Link | None:
+        """Take a link out of the double's books (its links and indexes)."""
+        link = self._links.pop(owner, None)
+        self._pending.pop(owner, None)
+        if link is None:
+            return None
+        state: _LinkState = link.sb_state
+        if state.kind is _Kind.ENTITY:
+            for prefix in state.indexed:
+                by_session = self._deliverers.get(prefix, {})
+                owners = by_session.get(state.session_id, {})
+                owners.pop(owner, None)
+                if not owners:
+                    by_session.pop(state.session_id, None)
+                if not by_session:
+                    self._deliverers.pop(prefix, None)
+        elif state.indexed:
+            owners = self._repliers.get(state.indexed, {})
+            owners.pop(owner, None)
+            if not owners:
+                self._repliers.pop(state.indexed, None)
+        state.indexed = ()
+        return link
 
     @staticmethod
     def _refuse(link: Link, condition: str, description: str) -> None:
@@ -404,6 +458,8 @@ class ServiceBusHandler(Handler):
         if link.is_receiver:
             link.flow(RECEIVER_CREDIT)
         else:
+            if state.kind is _Kind.ENTITY:
+                self._index(state)
             self._pump(link)
 
     def _uncount(self, link: Link, state: _LinkState) -> None:
@@ -413,7 +469,8 @@ class ServiceBusHandler(Handler):
 
     def _serve_pending_sessions(self) -> None:
         now = time.monotonic()
-        for link in list(self._links.values()):
+        for owner in list(self._pending):
+            link = self._links[owner]
             state: _LinkState = link.sb_state
             if state.pending_until is None:
                 continue
@@ -425,6 +482,7 @@ class ServiceBusHandler(Handler):
             if session_id is not None:
                 state.session_id = session_id
                 state.pending_until = None
+                del self._pending[owner]
                 self._open_link(link, state)
             elif now >= state.pending_until:
                 self._refuse_pending(
@@ -433,7 +491,7 @@ class ServiceBusHandler(Handler):
 
     def _refuse_pending(self, link: Link, state: _LinkState, condition: str, text: str) -> None:
         _LOGGER.info("no session for %s on %s: %s", state.owner, state.path, text)
-        self._links.pop(state.owner, None)
+        self._drop_link(state.owner)
         state.pending_until = None
         self._refuse(link, condition, text)
 
@@ -463,24 +521,23 @@ class ServiceBusHandler(Handler):
     def _pump_entities(self, paths: Iterable[str], sessions: set[str | None] | None) -> None:
         """Pump only the receivers a change can feed: those reading one of ``paths`` (lower
         case) or its sub-queues, and on a session, only if it is one of ``sessions`` (None:
-        any). Pumping every link for every message cost the double time in proportion to
-        links times messages: with 1,000 agents' approvals sessions open, it fell minutes
-        behind."""
-        prefixes = tuple(paths)
-        for link in list(self._links.values()):
-            try:
-                state: _LinkState = link.sb_state
-            except AttributeError:
+        any), oldest first."""
+        owners: set[str] = set()
+        for path in paths:
+            by_session = self._deliverers.get(path)
+            if not by_session:
                 continue
-            if state.kind is not _Kind.ENTITY:
+            if sessions is None:
+                for some in by_session.values():
+                    owners.update(some)
                 continue
-            path = state.path.lower()
-            if not any(path == p or path.startswith(p + "/") for p in prefixes):
-                continue
-            if sessions is not None and state.session_id not in (None, *sessions):
-                continue
-            if link.is_sender:
-                self._pump(link)
+            for session in {None, *sessions}:
+                owners.update(by_session.get(session, ()))
+        links = [self._links[owner] for owner in owners if owner in self._links]
+        if len(links) > 1:
+            links.sort(key=lambda link: cast(_LinkState, link.sb_state).seq)
+        for link in links:
+            self._pump(link)
 
     def _pump(self, link: Link) -> None:
         try:
@@ -501,7 +558,7 @@ class ServiceBusHandler(Handler):
                 )
             except BrokerError as exc:
                 _LOGGER.info("closing receiver %s: %s", state.owner, exc.description)
-                self._links.pop(state.owner, None)
+                self._drop_link(state.owner)
                 self._uncount(link, state)
                 link.condition = Condition(exc.condition, exc.description)
                 link.close()
@@ -604,13 +661,9 @@ class ServiceBusHandler(Handler):
         """Send a request-response answer on the partner link of the same session."""
         wanted = reply_to or link.remote_target.address
         partner = None
-        for candidate in self._links.values():
-            if (
-                candidate.is_sender
-                and candidate.session == link.session
-                and candidate.remote_source.address == wanted
-            ):
-                partner = candidate
+        for owner in self._repliers.get((link.session, wanted or ""), ()):
+            partner = self._links.get(owner)
+            if partner is not None:
                 break
         if partner is None:
             _LOGGER.warning("no reply link for %r on %s", wanted, link.name)

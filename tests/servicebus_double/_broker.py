@@ -22,6 +22,7 @@ Semantics follow Service Bus:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -141,6 +142,15 @@ class _Entity:
     session_locks: dict[str, _SessionLock] = field(default_factory=dict)
     session_states: dict[str, bytes] = field(default_factory=dict)
     next_sequence: int = 1
+    #: No message or session lock, and no message's time to live, runs out before this: until
+    #: then there is nothing to expire, and the messages are not gone through (as they were at
+    #: every receive and settlement: with a fleet's messages waiting, most of the double's time).
+    #: Lowered whenever a lock or a message with a time to live is added; set by each pass.
+    next_due: float = math.inf
+
+    def due(self, at: float | None) -> None:
+        if at is not None and at < self.next_due:
+            self.next_due = at
 
     def available(self, session_id: str | None) -> StoredMessage | None:
         for message in self.messages.values():
@@ -155,6 +165,8 @@ class _Entity:
         message.sequence_number = self.next_sequence
         self.next_sequence += 1
         self.messages[message.sequence_number] = message
+        self.due(message.expires_at)
+        self.due(message.locked_until)
 
 
 @dataclass
@@ -278,7 +290,16 @@ class Namespace:
             target = self._target(address)
             window = target.options.duplicate_detection_window
             if window is not None:
-                target.seen_ids = {k: t for k, t in target.seen_ids.items() if now - t < window}
+                # Oldest first (ids are added as they are seen): forget those out of the window
+                # without going through the rest, as every send did.
+                seen = target.seen_ids
+                gone = []
+                for message_id, at in seen.items():
+                    if now - at < window:
+                        break
+                    gone.append(message_id)
+                for message_id in gone:
+                    del seen[message_id]
             for incoming in messages:
                 if window is not None and incoming.message_id is not None:
                     if incoming.message_id in target.seen_ids:
@@ -341,6 +362,7 @@ class Namespace:
             entity.session_locks[session_id] = _SessionLock(
                 owner, now + entity.options.lock_duration
             )
+            entity.due(now + entity.options.lock_duration)
             return session_id
 
     def session_locked_until(self, address: str, session_id: str) -> float | None:
@@ -410,6 +432,7 @@ class Namespace:
                 message.locked_until = entity.session_locks[session_id or ""].locked_until
             else:
                 message.locked_until = now + entity.options.lock_duration
+            entity.due(message.locked_until)
             self._locks[token] = (entity, message.sequence_number)
             return Delivery(replace(message), token, message.locked_until)
 
@@ -433,6 +456,7 @@ class Namespace:
                 message.lock_token = token
                 message.locked_by = owner
                 message.locked_until = now + entity.options.lock_duration
+                entity.due(message.locked_until)
                 self._locks[token] = (entity, sequence)
                 found.append(Delivery(replace(message), token, message.locked_until))
         return found
@@ -525,9 +549,17 @@ class Namespace:
         return changed
 
     def _expire_entity(self, entity: _Entity, now: float) -> bool:
+        if now < entity.next_due:
+            return False
         changed = False
+        # The earliest deadline left (a locked message's time to live counts too: it runs once
+        # the message is unlocked).
+        due = math.inf
         for message in list(entity.messages.values()):
-            if message.lock_token is not None or message.expires_at is None:
+            if message.expires_at is None:
+                continue
+            if message.lock_token is not None or message.expires_at > now:
+                due = min(due, message.expires_at)
                 continue
             if message.expires_at <= now:
                 _LOGGER.info("message %s #%d expired", entity.path, message.sequence_number)
@@ -542,6 +574,8 @@ class Namespace:
                 _LOGGER.info("session lock on %s/%s expired", entity.path, session_id)
                 del entity.session_locks[session_id]
                 changed = True
+            else:
+                due = min(due, lock.locked_until)
         for message in list(entity.messages.values()):
             if message.lock_token is None:
                 continue
@@ -554,6 +588,10 @@ class Namespace:
                 self._locks.pop(message.lock_token, None)
                 self._unlock(entity, message, increment=True)
                 changed = True
+            elif message.locked_until is not None:
+                due = min(due, message.locked_until)
+        # Lowered meanwhile by what was added (a message dead-lettered into this entity).
+        entity.next_due = min(due, entity.next_due if entity.next_due > now else math.inf)
         return changed
 
     def _clear_lock(self, message: StoredMessage) -> None:
