@@ -377,25 +377,37 @@ class AmqpSubscription:
         self._consumer_tag = ok.consumer_tag
 
     async def _on_reopen(self, channel: aio_pika.abc.AbstractRobustChannel | None, /) -> None:
-        """The robust channel reopened (it declared the queue again): consume on it again."""
+        """The robust channel reopened (it declared the queue again): consume on it again.
+
+        aio-pika drops what a reopen callback raises, so nothing may leave here: a consume
+        that failed while the channel stays open (no reopen follows) would leave the
+        subscription quiet for good. Only a consume cut off by the channel closing again
+        waits for the next reopen; any other failure ends the subscription, whose next wait
+        raises it (its owner opens it again)."""
         if channel is None or self._closed or self._failure is not None:
             return
         try:
-            await self._consume(await channel.get_underlay_channel())
+            with lost_if_closed():
+                await self._consume(await channel.get_underlay_channel())
         except asyncio.CancelledError as exc:
             if not is_spurious_cancel(exc):
                 raise
-            log.info("consuming %s again was cut off: tried on the next reopen", self.queue_name)
-        except LINK_ERRORS as exc:
+            self._not_consuming(channel, exc)
+        except Exception as exc:  # aio-pika would drop it: see the docstring
+            self._not_consuming(channel, exc)
+        else:
+            log.info("consuming %s again after a reconnect", self.queue_name)
+
+    def _not_consuming(self, channel: aio_pika.abc.AbstractChannel, exc: BaseException) -> None:
+        cut_off = isinstance(exc, (asyncio.CancelledError, *LINK_ERRORS))
+        if cut_off and channel.is_closed:
             log.info(
                 "consuming %s again was cut off (%s): tried again on the next reopen",
                 self.queue_name,
                 reason(exc),
             )
-        except FAILURES as exc:
-            self._fail(f"consuming {self.queue_name} again failed: {reason(exc)}", exc)
         else:
-            log.info("consuming %s again after a reconnect", self.queue_name)
+            self._fail(f"consuming {self.queue_name} again failed: {reason(exc)}", exc)
 
     def _on_cancelled(self, frame: spec.Basic.Cancel) -> None:
         """The broker cancelled the consumer (its queue was deleted): the stream ends."""
