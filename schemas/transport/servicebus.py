@@ -129,6 +129,8 @@ SESSION_RENEWAL_SECONDS = 24 * 3600.0
 #: A handler's message lock is renewed for at most this long.
 MESSAGE_RENEWAL_SECONDS = 300.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 15.0
+#: A receiver that keeps failing is said once, then again every this long while it lasts.
+FAILING_REMINDER_SECONDS = 300.0
 CLOSE_TIMEOUT = 10.0
 #: The longest an opening is given after openings timed out (see ``connect_timeout``).
 MAX_OPEN_TIMEOUT = 120.0
@@ -658,6 +660,9 @@ class _ServiceBusSubscription(AsyncResource):
         self._lock = asyncio.Lock()
         self._backoff = Backoff(RECONNECT_MIN, RECONNECT_MAX)
         self._standby = Backoff(STANDBY_SECONDS, STANDBY_SECONDS)
+        #: Since when receiving has failed (None: it works), and when that was last said.
+        self._failing_since: float | None = None
+        self._failure_said_at = 0.0
 
     def settling_receiver(self, delivery: _ServiceBusDelivery) -> ServiceBusReceiver:
         self._unsettled.discard(delivery)
@@ -707,17 +712,52 @@ class _ServiceBusSubscription(AsyncResource):
             raise _entity_error(exc, self._entity) from exc
         except (ServiceBusError, TimeoutError) as exc:
             delay = self._backoff.next()
-            log.warning(
-                "receiving from %s failed (%s); opening the receiver again in %.1f s",
-                self._entity,
-                str(exc) or type(exc).__name__,
-                delay,
-            )
+            self._failed(str(exc) or type(exc).__name__, delay)
             await self._drop_receiver()
             return delay
         self._backoff.reset()
+        if self._failing_since is not None:
+            log.info(
+                "receiving from %s works again after %.0f s of failed tries",
+                self._entity,
+                time.monotonic() - self._failing_since,
+            )
+            self._failing_since = None
         self._buffer.extend(_ServiceBusDelivery(self, message) for message in batch)
         return 0.0
+
+    def _failed(self, reason: str, delay: float) -> None:
+        """Say a failed try: the first of a spell, then every :data:`FAILING_REMINDER_SECONDS`,
+        as a warning; the tries between at debug level (each at most 15 s apart: a line for
+        each, from every VM listening while its namespace is out of reach, flooded the logs)."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = self._failure_said_at = now
+            log.warning(
+                "receiving from %s failed (%s); opening the receiver again in %.1f s, then less "
+                "and less often (at most every %.0f s) for as long as it fails; said again when "
+                "it is back",
+                self._entity,
+                reason,
+                delay,
+                RECONNECT_MAX,
+            )
+        elif now - self._failure_said_at >= FAILING_REMINDER_SECONDS:
+            self._failure_said_at = now
+            log.warning(
+                "receiving from %s still fails after %.0f s (%s); trying again in %.1f s",
+                self._entity,
+                now - self._failing_since,
+                reason,
+                delay,
+            )
+        else:
+            log.debug(
+                "receiving from %s failed again (%s); trying again in %.1f s",
+                self._entity,
+                reason,
+                delay,
+            )
 
     async def _drop_receiver(self) -> None:
         receiver, self._receiver = self._receiver, None

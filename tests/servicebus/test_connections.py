@@ -20,7 +20,7 @@ from schemas.transport.servicebus import (
     ServiceBusTransport,
     parse_servicebus_address,
 )
-from tests.servicebus.conftest import eventually
+from tests.servicebus.conftest import close_what_the_sdk_left_open, eventually
 from tests.servicebus_double import EntityOptions, ServiceBusDouble
 from tests.transport._helpers import outgoing, receive
 from tests.transport.proxy import TcpProxy
@@ -175,23 +175,6 @@ async def test_an_approval_is_handed_over_as_it_arrives(
     assert min(took[1:]) < 0.15, took  # the first one waited for the receiver to open
 
 
-def _close_what_the_sdk_left_open() -> int:
-    """The SDK's close returns early for a connection whose open never reached its AMQP session
-    (``AMQPClientAsync.close_async`` in ``_pyamqp/aio/_client_async.py``: ``if not
-    self._session: return``), so the socket of an open that stalled stays open, registered with
-    the event loop, until the loop closes. Close those here, once the test's own connections are
-    closed, so the next test does not meet their ResourceWarning; returns how many."""
-    gc.collect()
-    left = [
-        writer
-        for writer in gc.get_objects()
-        if isinstance(writer, asyncio.StreamWriter) and not writer.transport.is_closing()
-    ]
-    for writer in left:
-        writer.transport.abort()
-    return len(left)
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("sender", ["open", "reopened"])
 async def test_a_stalled_link_fails_the_publish_in_time_and_the_next_one_reconnects(
@@ -217,7 +200,7 @@ async def test_a_stalled_link_fails_the_publish_in_time_and_the_next_one_reconne
             assert loop.time() - began < 5
             proxy.resume()
             await transport.publish(outgoing("after"))
-    _close_what_the_sdk_left_open()
+    close_what_the_sdk_left_open()
 
 
 class _Gate:
@@ -306,7 +289,7 @@ async def test_an_approvals_receiver_that_stalls_while_opening_is_opened_again(
             await approver.send_approval(agent.reply_address("vm-1"), sent)
             got = await receive(inbox, within=20)
             await got.ack()
-    _close_what_the_sdk_left_open()
+    close_what_the_sdk_left_open()
     assert got.message_id == sent.message_id
 
 
@@ -337,7 +320,7 @@ async def test_a_sender_slower_to_open_than_the_callers_deadline_still_opens_and
                     await asyncio.sleep(0.1)
         await transport.close()
         opened = proxy.accepted
-    _close_what_the_sdk_left_open()
+    close_what_the_sdk_left_open()
     assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 1
     assert attempts <= 4, attempts
     assert opened == 1  # one opening, carried over from attempt to attempt
@@ -362,7 +345,7 @@ async def test_closing_the_transport_while_a_sender_opens_fails_the_waiting_publ
         await transport.close()
         with pytest.raises(TransportError):
             await asyncio.wait_for(publish, 5)
-    _close_what_the_sdk_left_open()
+    close_what_the_sdk_left_open()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -390,7 +373,7 @@ async def test_openings_slower_than_connect_timeout_are_given_longer_until_one_o
                     await asyncio.sleep(0.1)
         await transport.close()
         opened = proxy.accepted
-    _close_what_the_sdk_left_open()
+    close_what_the_sdk_left_open()
     assert double.namespace.count(f"{channels.events_topic}/Subscriptions/audit") == 1
     assert opened == 4  # the check's 1 s, 2 s and 4 s, then the publish's
 
@@ -454,6 +437,6 @@ async def test_an_approvals_receiver_slower_to_open_than_connect_timeout_is_give
             got = await receive(inbox, within=25)
             await got.ack()
         openings = proxy.accepted - 1
-    _close_what_the_sdk_left_open()
+    close_what_the_sdk_left_open()
     assert got.message_id == sent.message_id
     assert openings == 3  # 1 s, 2 s, then 4 s: opened
