@@ -1,15 +1,18 @@
-"""A Service Bus double per test, and SDK handlers that close together at the end."""
+"""A Service Bus double per test (``servicebus_double`` for the SDK alone, ``double`` with the
+transport's ``channels``), and SDK handlers that close together at the end."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 from azure.servicebus.aio import ServiceBusClient, ServiceBusReceiver, ServiceBusSender
 
+from schemas import ChannelNames
 from tests.servicebus_double import EntityOptions, ServiceBusDouble
 
 LOCK_DURATION = 1.0
@@ -114,3 +117,18 @@ async def handlers(servicebus_double: ServiceBusDouble) -> AsyncIterator[Handler
             yield opened
         finally:
             await opened.close()
+
+
+@pytest.fixture
+def channels() -> ChannelNames:
+    return ChannelNames().suffixed(uuid.uuid4().hex[:8])
+
+
+@pytest.fixture
+def double(channels: ChannelNames) -> Iterator[ServiceBusDouble]:
+    with ServiceBusDouble(
+        topics={channels.events_topic: ["audit"]},
+        session_queues=[channels.approvals_queue],
+        options=EntityOptions(lock_duration=5.0),
+    ) as double:
+        yield double

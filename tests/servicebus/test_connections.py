@@ -7,9 +7,7 @@ import asyncio
 import contextlib
 import gc
 import ssl
-import uuid
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,28 +19,13 @@ from schemas.transport.servicebus import (
     parse_servicebus_address,
 )
 from tests.servicebus.conftest import close_what_the_sdk_left_open, eventually
-from tests.servicebus_double import EntityOptions, ServiceBusDouble
+from tests.servicebus_double import ServiceBusDouble
 from tests.transport._helpers import outgoing, receive
 from tests.transport.proxy import TcpProxy
 
 pytestmark = [pytest.mark.servicebus, pytest.mark.timeout(60)]
 
 IDLE = 0.5  # seconds: the tests' sender idle timeout
-
-
-@pytest.fixture
-def channels() -> ChannelNames:
-    return ChannelNames().suffixed(uuid.uuid4().hex[:8])
-
-
-@pytest.fixture
-def double(channels: ChannelNames) -> Iterator[ServiceBusDouble]:
-    with ServiceBusDouble(
-        topics={channels.events_topic: ["audit"]},
-        session_queues=[channels.approvals_queue],
-        options=EntityOptions(lock_duration=5.0),
-    ) as double:
-        yield double
 
 
 def _address(double: ServiceBusDouble, idle: float = IDLE) -> str:

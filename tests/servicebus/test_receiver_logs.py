@@ -1,41 +1,23 @@
-"""A Service Bus receiver that keeps failing is said once per kind of failure, then when it is
-back: before, each failed try was a WARNING (growing pauses, at most 15 s apart: four lines a
-minute from every VM listening for approvals while its namespace is unreachable, tens of
-thousands a minute from a fleet). The real SDK against the double, through a TCP proxy that
-cuts the link."""
+"""A Service Bus receiver that keeps failing is said once, then when it is back: before, each
+failed try was a WARNING (growing pauses, at most 15 s apart: four lines a minute from every VM
+listening for approvals while its namespace is unreachable, tens of thousands a minute from a
+fleet). The real SDK against the double, through a TCP proxy that cuts the link."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from schemas import ChannelNames
 from schemas.transport.servicebus import ServiceBusTransport
 from tests.servicebus.conftest import close_what_the_sdk_left_open
-from tests.servicebus_double import EntityOptions, ServiceBusDouble
+from tests.servicebus_double import ServiceBusDouble
 from tests.transport._helpers import outgoing
 from tests.transport.proxy import TcpProxy
 
 pytestmark = [pytest.mark.servicebus, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def channels() -> ChannelNames:
-    return ChannelNames().suffixed(uuid.uuid4().hex[:8])
-
-
-@pytest.fixture
-def double(channels: ChannelNames) -> Iterator[ServiceBusDouble]:
-    with ServiceBusDouble(
-        topics={channels.events_topic: ["audit"]},
-        session_queues=[channels.approvals_queue],
-        options=EntityOptions(lock_duration=5.0),
-    ) as double:
-        yield double
 
 
 def _said(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
