@@ -45,7 +45,7 @@ from schemas import (
     VmIdentity,
     load_public_keys,
 )
-from schemas._backoff import Backoff
+from schemas._backoff import Backoff, FailingSpell
 from schemas.observability import HealthServer
 from schemas.transport import Transport, open_transport, redact
 
@@ -124,7 +124,7 @@ class Agent:
         self._depth = 0
         self._watcher: Watcher | None = None
         self._outbox: OutboxPublisher | None = None
-        self._approvals_failing_since: float | None = None
+        self._approvals_failing = FailingSpell(_FAILING_REMINDER)
         #: Every IMDS request goes through it (its ``peak``: the most in any one second).
         self.limiter = RequestLimiter(settings.imds_max_rps)
 
@@ -164,7 +164,7 @@ class Agent:
                 None if self._connected.is_set() else self._started_at,
                 None if outbox is None else outbox.failing_since,
                 None if outbox is None else outbox.stalled_since,
-                self._approvals_failing_since,
+                self._approvals_failing.since,
             )
             if since is not None
         ]
@@ -523,18 +523,17 @@ class Agent:
         await handler.reconcile_all()
         always = self.settings.listens_always
         backoff = Backoff(0.2, 5.0)
-        said_at = 0.0  # when a failing consumer was last said at WARNING (monotonic)
+        failing = self._approvals_failing
         while True:
             if not always:
                 await watcher.approvable.wait()
             try:
                 async with transport.approvals(identity.name) as subscription:
                     self._subscribed.set()
-                    since, self._approvals_failing_since = self._approvals_failing_since, None
-                    if since is not None:
+                    lasted = failing.ended()
+                    if lasted is not None:
                         log.info(
-                            "approvals consumer open again after %.1f s of failed tries",
-                            time.monotonic() - since,
+                            "approvals consumer open again after %.1f s of failed tries", lasted
                         )
                     backoff.reset()
                     await self._listen(subscription, handler, watcher, always)
@@ -542,11 +541,10 @@ class Agent:
                 if _cancelling():  # a cancel that came back as a link error: still a cancel
                     raise asyncio.CancelledError from exc
                 delay = backoff.next()
-                now = time.monotonic()
-                if self._approvals_failing_since is None:
-                    # Said once, then every _FAILING_REMINDER while it lasts: a line at every
-                    # try would be a dozen a minute from each VM, thousands from a fleet.
-                    self._approvals_failing_since = said_at = now
+                # Said once, then every _FAILING_REMINDER while it lasts: a line at every try
+                # would be a dozen a minute from each VM, thousands from a fleet.
+                said = failing.failed()
+                if said == "first":
                     log.warning(
                         "approvals consumer could not be opened or was lost (%s); trying again "
                         "in %.2f s, then less and less often (at most every %.0f s) for as long "
@@ -555,12 +553,11 @@ class Agent:
                         delay,
                         backoff.cap,
                     )
-                elif now - said_at >= _FAILING_REMINDER:
-                    said_at = now
+                elif said == "reminder":
                     log.warning(
                         "approvals consumer still failing after %.0f s (%s); no approval reaches "
                         "this VM meanwhile",
-                        now - self._approvals_failing_since,
+                        failing.lasted,
                         exc,
                     )
                 else:

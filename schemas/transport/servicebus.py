@@ -107,7 +107,7 @@ from azure.servicebus.exceptions import (
     SessionCannotBeLockedError,
 )
 
-from .._backoff import Backoff
+from .._backoff import Backoff, FailingSpell
 from .._errors import ConfigError, MessageRefused, PublishNotConfirmed, TransportError
 from ..channels import DEFAULT_CHANNELS, ChannelNames, ReplyAddress
 from ..origin import KEY as ORIGIN_KEY
@@ -660,9 +660,7 @@ class _ServiceBusSubscription(AsyncResource):
         self._lock = asyncio.Lock()
         self._backoff = Backoff(RECONNECT_MIN, RECONNECT_MAX)
         self._standby = Backoff(STANDBY_SECONDS, STANDBY_SECONDS)
-        #: Since when receiving has failed (None: it works), and when that was last said.
-        self._failing_since: float | None = None
-        self._failure_said_at = 0.0
+        self._failing = FailingSpell(FAILING_REMINDER_SECONDS)
 
     def settling_receiver(self, delivery: _ServiceBusDelivery) -> ServiceBusReceiver:
         self._unsettled.discard(delivery)
@@ -716,13 +714,11 @@ class _ServiceBusSubscription(AsyncResource):
             await self._drop_receiver()
             return delay
         self._backoff.reset()
-        if self._failing_since is not None:
+        lasted = self._failing.ended()
+        if lasted is not None:
             log.info(
-                "receiving from %s works again after %.0f s of failed tries",
-                self._entity,
-                time.monotonic() - self._failing_since,
+                "receiving from %s works again after %.0f s of failed tries", self._entity, lasted
             )
-            self._failing_since = None
         self._buffer.extend(_ServiceBusDelivery(self, message) for message in batch)
         return 0.0
 
@@ -730,9 +726,8 @@ class _ServiceBusSubscription(AsyncResource):
         """Say a failed try: the first of a spell, then every :data:`FAILING_REMINDER_SECONDS`,
         as a warning; the tries between at debug level (each at most 15 s apart: a line for
         each, from every VM listening while its namespace is out of reach, flooded the logs)."""
-        now = time.monotonic()
-        if self._failing_since is None:
-            self._failing_since = self._failure_said_at = now
+        said = self._failing.failed()
+        if said == "first":
             log.warning(
                 "receiving from %s failed (%s); opening the receiver again in %.1f s, then less "
                 "and less often (at most every %.0f s) for as long as it fails; said again when "
@@ -742,12 +737,11 @@ class _ServiceBusSubscription(AsyncResource):
                 delay,
                 RECONNECT_MAX,
             )
-        elif now - self._failure_said_at >= FAILING_REMINDER_SECONDS:
-            self._failure_said_at = now
+        elif said == "reminder":
             log.warning(
                 "receiving from %s still fails after %.0f s (%s); trying again in %.1f s",
                 self._entity,
-                now - self._failing_since,
+                self._failing.lasted,
                 reason,
                 delay,
             )
