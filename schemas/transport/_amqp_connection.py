@@ -157,7 +157,7 @@ class RelayConnection(aio_pika.RobustConnection):
             "%s; reconnecting every ~%.1f s now, less often the longer it fails (at most every "
             "%.0f s; not logged again for this reason until it connects)"
         )
-        record.args = (text, self._wait(), self._longest())
+        record.args = (text, self._wait(), self.longest_wait)
         return True
 
     async def _on_connected(self) -> None:
@@ -171,10 +171,12 @@ class RelayConnection(aio_pika.RobustConnection):
         if self._down_since is None:
             return base
         down = asyncio.get_running_loop().time() - self._down_since
-        return max(base, min(self._longest(), down / 8))
+        return max(base, min(self.longest_wait, down / 8))
 
-    def _longest(self) -> float:
-        """``max_reconnect_interval``, or the first interval when that is longer."""
+    @property
+    def longest_wait(self) -> float:
+        """The longest wait between reconnect attempts: ``max_reconnect_interval``, or the first
+        interval when that is longer."""
         return max(self.max_reconnect_interval, self._base_interval)
 
     @property

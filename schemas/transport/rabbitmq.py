@@ -65,7 +65,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 import aio_pika.abc
@@ -268,7 +268,7 @@ class RabbitMQTransport(AsyncResource):
         except FAILURES as exc:
             log.warning("closing the connection to %s failed (%s): dropped", self.display_url, exc)
 
-    def _on_link_lost(self, _sender: object, exc: BaseException | None) -> None:
+    def _on_link_lost(self, connection: object, exc: BaseException | None) -> None:
         if self._closing:
             return
         self._lost_at = asyncio.get_running_loop().time()
@@ -279,7 +279,7 @@ class RabbitMQTransport(AsyncResource):
             self.display_url,
             exc if exc is not None else "closed",
             self.settings.reconnect_interval,
-            max(self.settings.reconnect_max_interval, self.settings.reconnect_interval),
+            cast(RelayConnection, connection).longest_wait,  # the one it made (connect)
             self.settings.reconnect_timeout,
         )
 
