@@ -21,7 +21,12 @@ approvals                                 session-enabled queue ``scheduled-even
 
 Settlement: ``ack`` completes, ``retry`` abandons (redelivered, delivery count + 1),
 ``dead_letter`` moves the message to the entity's dead-letter sub-queue with a reason and a
-description. An :class:`AutoLockRenewer` keeps the locks of long handlers and of sessions.
+description. While a receiver is open, the transport renews the locks it holds: its session's
+(the agent's approvals, an exclusive group's stream), or those of the messages it handed out and
+that are not settled yet (a long handler's, for at most ``MESSAGE_RENEWAL_SECONDS``). It stops
+renewing before it closes the receiver: the SDK's own ``AutoLockRenewer``, blind to a close,
+renewed through a receiver being closed, and the SDK logged each such renewal as an unexpected
+error with a traceback.
 
 **What a client holds.** A namespace allows 5,000 concurrent AMQP connections and an entity
 5,000 concurrent receive requests (an open receive link is one), and the SDK opens one
@@ -83,20 +88,15 @@ import math
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import certifi
 from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage, ServiceBusSubQueue
-from azure.servicebus.aio import (
-    AutoLockRenewer,
-    ServiceBusClient,
-    ServiceBusReceiver,
-    ServiceBusSender,
-)
+from azure.servicebus.aio import ServiceBusClient, ServiceBusReceiver, ServiceBusSender
 from azure.servicebus.amqp import AmqpMessageBodyType
 from azure.servicebus.exceptions import (
     MessageSizeExceededError,
@@ -123,11 +123,16 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 * 1024
 #: How long one receive call waits before the loop looks at ``close()`` again.
 RECEIVE_WAIT_SECONDS = 1.0
-#: How long a session lock (the agent's, the exclusive group's) is renewed before the session
-#: is opened again.
-SESSION_RENEWAL_SECONDS = 24 * 3600.0
-#: A handler's message lock is renewed for at most this long.
+#: A handler's message lock is renewed for at most this long (a session's, for as long as its
+#: receiver is open).
 MESSAGE_RENEWAL_SECONDS = 300.0
+#: A lock is renewed once less than half of it is left, and at the latest this long before it
+#: expires (the SDK's rule too: a renewal may take a few seconds on a busy link).
+RENEW_BEFORE_SECONDS = 10.0
+#: The longest pause between two looks at the locks a receiver holds.
+RENEW_CHECK_SECONDS = 1.0
+#: The longest one renewal is given.
+RENEW_TIMEOUT_SECONDS = 10.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 15.0
 #: A receiver that keeps failing is said once, then again every this long while it lasts.
 FAILING_REMINDER_SECONDS = 300.0
@@ -592,6 +597,8 @@ class _ServiceBusDelivery:
     def __init__(self, subscription: _ServiceBusSubscription, message: ServiceBusReceivedMessage):
         self._subscription = subscription
         self._message = message
+        #: When it was received (monotonic): its lock is renewed for MESSAGE_RENEWAL_SECONDS.
+        self.received_at = time.monotonic()
         self.body = _body(message)
         self.properties: Mapping[str, PropertyValue] = _received_properties(message)
         self.message_id = _message_id(_text(message.message_id or ""), self.properties)
@@ -601,6 +608,18 @@ class _ServiceBusDelivery:
         self.delivery_count = int(message.delivery_count or 0)
         # Service Bus names no sender per message: lifecycle messages are signed instead.
         self.sender: str | None = None
+
+    @property
+    def message(self) -> ServiceBusReceivedMessage:
+        return self._message
+
+    @property
+    def lock_token(self) -> object:
+        return self._message.lock_token
+
+    @property
+    def locked_until(self) -> datetime | None:
+        return self._message.locked_until_utc
 
     async def ack(self) -> None:
         await self._settle(lambda r: r.complete_message(self._message))
@@ -635,6 +654,91 @@ class _ServiceBusDelivery:
             raise TransportError(f"message {self.message_id} was settled already") from exc
 
 
+class _LockKeeper:
+    """Renews the locks an open receiver holds until :meth:`stop`, which its subscription calls
+    before it closes the receiver, so that no renewal runs through a receiver being closed.
+
+    A session receiver holds its session's lock (which covers its messages): renewed for as
+    long as the receiver is open. Any other holds the lock of each message it received and that
+    is not settled yet (``held``: handed out, or waiting in the subscription's buffer): renewed
+    for at most ``MESSAGE_RENEWAL_SECONDS`` after the message arrived. A lock is renewed once
+    less than half of it is left (at the latest ``RENEW_BEFORE_SECONDS`` before it expires),
+    tried again at each look while that fails, and left to expire once it has: the next receive
+    or settlement then fails and says so (the broker delivers the messages again), so a failed
+    renewal is said at debug level."""
+
+    def __init__(
+        self,
+        receiver: ServiceBusReceiver,
+        entity: str,
+        held: Callable[[], Iterable[_ServiceBusDelivery]],
+    ) -> None:
+        self._receiver = receiver
+        self._entity = entity
+        self._held = held
+        #: How long each lock held had left when first seen (its length), by lock token.
+        self._lengths: dict[str, float] = {}
+        self._pause = RENEW_CHECK_SECONDS
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        """Stop renewing, a renewal under way included (cancelled inside the SDK, which then
+        says nothing: the receiver is about to close anyway)."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._pause)
+            self._pause = RENEW_CHECK_SECONDS  # shorter when a lock held now is short
+            session = self._receiver.session
+            if session is not None:
+                if self._due("session", session.locked_until_utc):
+                    await self._renew("the session lock", session.renew_lock)
+                continue
+            now = time.monotonic()
+            held = [d for d in self._held() if now - d.received_at < MESSAGE_RENEWAL_SECONDS]
+            tokens = {str(d.lock_token) for d in held}
+            for token in self._lengths.keys() - tokens:
+                del self._lengths[token]
+            await asyncio.gather(
+                *(
+                    self._renew(
+                        f"the lock of message {delivery.message_id}",
+                        functools.partial(self._receiver.renew_message_lock, delivery.message),
+                    )
+                    for delivery in held
+                    if self._due(str(delivery.lock_token), delivery.locked_until)
+                )
+            )
+
+    def _due(self, token: str, locked_until: datetime | None) -> bool:
+        """Whether the lock ``token``, held until ``locked_until``, is to be renewed now: less
+        than half of it left (at most RENEW_BEFORE_SECONDS), and not expired yet."""
+        if locked_until is None:
+            return False
+        left = (locked_until - datetime.now(UTC)).total_seconds()
+        if left <= 0:
+            return False  # gone: the next receive or settlement says so
+        length = self._lengths.setdefault(token, left)
+        before = min(RENEW_BEFORE_SECONDS, length / 2)
+        # Look often enough not to miss it (a test's lock of a second or two).
+        self._pause = min(self._pause, max(0.05, before / 2))
+        return left <= before
+
+    async def _renew(self, what: str, renew: Callable[..., Awaitable[object]]) -> None:
+        try:
+            async with asyncio.timeout(RENEW_TIMEOUT_SECONDS):
+                await renew(timeout=RENEW_TIMEOUT_SECONDS)
+        except (ServiceBusError, TimeoutError, ValueError) as exc:
+            log.debug(
+                "renewing %s on %s failed (%s); tried again while it lasts",
+                what,
+                self._entity,
+                exc or type(exc).__name__,
+            )
+
+
 class _ServiceBusSubscription(AsyncResource):
     """A receiver loop: opens its receiver at the first ``anext``, opens it again after a
     failure (with backoff), and leaves its transport when closed."""
@@ -654,6 +758,8 @@ class _ServiceBusSubscription(AsyncResource):
         self._deadline = deadline
         self._on_close = on_close
         self._receiver: ServiceBusReceiver | None = None
+        #: Renews the locks of the open receiver.
+        self._keeper: _LockKeeper | None = None
         self._buffer: deque[_ServiceBusDelivery] = deque()
         self._unsettled: set[_ServiceBusDelivery] = set()
         self._closed = asyncio.Event()
@@ -697,6 +803,7 @@ class _ServiceBusSubscription(AsyncResource):
                 self._receiver = self._open_receiver()
                 # The SDK alone would wait for ever on a silent link.
                 await self._deadline.bound(self._receiver.__aenter__(), "opening the receiver")
+                self._keeper = _LockKeeper(self._receiver, self._entity, self._held)
             batch = await self._receiver.receive_messages(
                 max_message_count=self._prefetch, max_wait_time=RECEIVE_WAIT_SECONDS
             )
@@ -753,8 +860,15 @@ class _ServiceBusSubscription(AsyncResource):
                 delay,
             )
 
+    def _held(self) -> list[_ServiceBusDelivery]:
+        """The deliveries received and not settled: handed out, or waiting in the buffer."""
+        return [*self._unsettled, *self._buffer]
+
     async def _drop_receiver(self) -> None:
         receiver, self._receiver = self._receiver, None
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            await keeper.stop()  # before the close: a renewal through it is the SDK's error
         self._buffer.clear()  # their locks went with the receiver: the broker redelivers them
         self._unsettled.clear()
         if receiver is not None:
@@ -810,8 +924,6 @@ class ServiceBusTransport(AsyncResource):
         self._senders: dict[str, _Sender] = {}
         self._open_deadline = _OpenDeadline(self.settings.connect_timeout)
         self._subscriptions: set[_ServiceBusSubscription] = set()
-        self._message_renewer: AutoLockRenewer | None = None
-        self._session_renewer: AutoLockRenewer | None = None
 
     async def connect(self) -> None:
         if self._client is not None:
@@ -835,8 +947,6 @@ class ServiceBusTransport(AsyncResource):
             self._client = ServiceBusClient(
                 self._namespace, self._credential, ssl_context=_tls_context(), **_RETRY
             )
-        self._message_renewer = AutoLockRenewer(max_lock_renewal_duration=MESSAGE_RENEWAL_SECONDS)
-        self._session_renewer = AutoLockRenewer(max_lock_renewal_duration=SESSION_RENEWAL_SECONDS)
         # The start-up check: a wrong address or key shows now, not at the first event. The
         # connection goes at once: the first publish opens its own.
         try:
@@ -854,9 +964,7 @@ class ServiceBusTransport(AsyncResource):
         subscriptions, self._subscriptions = list(self._subscriptions), set()
         await asyncio.gather(*(subscription.close() for subscription in subscriptions))
         senders, self._senders = list(self._senders.values()), {}
-        handlers: list[Any] = [self._message_renewer, self._session_renewer]
-        handlers += [self._client, self._credential]
-        self._message_renewer = self._session_renewer = None
+        handlers: list[Any] = [self._client, self._credential]
         self._client = self._credential = None
         # Each SDK handler's close waits for its keep-alive task: close them together.
         closing = [s.close() for s in senders] + [h.close() for h in handlers if h is not None]
@@ -986,19 +1094,15 @@ class ServiceBusTransport(AsyncResource):
         if exclusive:
             # One active consumer at a time, in order: the session-enabled subscription's one
             # session is locked by one receiver; the others wait until it is free.
-            renewer = self._session_renewer
             return self._open(
                 lambda client: client.get_subscription_receiver(
-                    topic, group, session_id=STREAM_SESSION, auto_lock_renewer=renewer
+                    topic, group, session_id=STREAM_SESSION
                 ),
                 f"{topic}/Subscriptions/{group} (session-enabled)",
                 prefetch,
             )
-        renewer = self._message_renewer
         return self._open(
-            lambda client: client.get_subscription_receiver(
-                topic, group, auto_lock_renewer=renewer
-            ),
+            lambda client: client.get_subscription_receiver(topic, group),
             f"{topic}/Subscriptions/{group}",
             prefetch,
         )
@@ -1011,11 +1115,8 @@ class ServiceBusTransport(AsyncResource):
         asks for more waits 0.2 s after the first message for the rest (the SDK's "further
         pull"), and an approval's round trip is what counts here."""
         queue, session = self.channels.approvals_queue, vm.casefold()
-        renewer = self._session_renewer
         return self._open(
-            lambda client: client.get_queue_receiver(
-                queue, session_id=session, auto_lock_renewer=renewer
-            ),
+            lambda client: client.get_queue_receiver(queue, session_id=session),
             f"{queue} (session {session})",
             1,
         )
