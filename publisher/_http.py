@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -161,10 +161,12 @@ class HttpClient:
         headers: Mapping[str, str] | None = None,
         max_body: int,
         max_idle: float | None = None,
+        sending: Callable[[], None] | None = None,
     ) -> Response:
         """Send one request (``target``: path and query) and read the whole answer, on the
         connection kept last, or a new one; ``max_idle``: on a kept one only if it was idle
-        at most that many seconds (0: always a new one)."""
+        at most that many seconds (0: always a new one). ``sending`` is called as the request
+        is written (once its connection is open)."""
         head = f"{method} {target} HTTP/1.1\r\n{self._fixed}"
         for name, value in (headers or {}).items():
             head += f"{name}: {value}\r\n"
@@ -175,14 +177,22 @@ class HttpClient:
         # it then dropped, and a second send would be a request its caller's limiter never
         # counted. Only a connection known closed before anything is written is passed over.
         connection = self._take(max_idle) or await self._connect()
-        return await self._exchange(connection, raw, max_body)
+        return await self._exchange(connection, raw, max_body, sending)
 
-    async def _exchange(self, connection: _Connection, raw: bytes, max_body: int) -> Response:
+    async def _exchange(
+        self,
+        connection: _Connection,
+        raw: bytes,
+        max_body: int,
+        sending: Callable[[], None] | None = None,
+    ) -> Response:
         reused, connection.used = connection.used, True
         keep = False
         status: int | None = None
         try:
             try:
+                if sending is not None:
+                    sending()
                 connection.writer.write(raw)
                 head = await connection.reader.readuntil(b"\r\n\r\n")
             except (ConnectionError, asyncio.IncompleteReadError) as exc:

@@ -48,7 +48,7 @@ from ._http import (
     KeptConnectionDropped,
     Response,
 )
-from ._poller import RequestLimiter
+from ._poller import RequestLimiter, RequestSlot
 
 __all__ = ["RETRYABLE_KINDS", "ImdsClient", "with_retries"]
 
@@ -146,7 +146,7 @@ class ImdsClient:
     ) -> bytes:
         """One request under one overall deadline; the answer's body (at most ``max_body``)."""
         endpoint = url.removeprefix(self.base_url + "/metadata/")
-        await self._admit(endpoint)
+        slot = await self._admit(endpoint)
         # The first Scheduled Events call enables the service and may take two minutes.
         deadline = self.timeout if self._answered else self.first_timeout
         what = f"IMDS {method} {url}"
@@ -164,7 +164,11 @@ class ImdsClient:
                     # idle longer, IMDS may be letting it go just then, and a POST that meets
                     # that may have been taken.
                     response = await self._send(
-                        method, target, body, max_idle=POST_KEPT_IDLE if method == "POST" else None
+                        slot,
+                        method,
+                        target,
+                        body,
+                        max_idle=POST_KEPT_IDLE if method == "POST" else None,
                     )
                 except KeptConnectionDropped as exc:
                     if method != "GET":
@@ -173,8 +177,8 @@ class ImdsClient:
                     # stalled past its keep-alive): asked again now on a new connection, as
                     # a request of its own for the VM's budget.
                     log.debug("%s: %s; asked again on a new connection", what, exc)
-                    await self._admit(endpoint)
-                    response = await self._send(method, target, body, max_idle=0.0)
+                    slot = await self._admit(endpoint)
+                    response = await self._send(slot, method, target, body, max_idle=0.0)
         except TimeoutError as exc:
             # The deadline may also pass while connecting, before anything went out: counted as
             # unanswered all the same, the side that never calls a started event canceled.
@@ -216,23 +220,36 @@ class ImdsClient:
             )
         return content
 
-    async def _admit(self, endpoint: str) -> None:
+    async def _admit(self, endpoint: str) -> RequestSlot:
         """Every request IMDS may receive waits for the VM's budget and is counted."""
-        await self.limiter.acquire()
+        slot = await self.limiter.acquire()
         if self._on_request is not None:
             self._on_request(endpoint)
+        return slot
 
     async def _send(
-        self, method: str, target: str, body: bytes | None, *, max_idle: float | None
+        self,
+        slot: RequestSlot,
+        method: str,
+        target: str,
+        body: bytes | None,
+        *,
+        max_idle: float | None,
     ) -> Response:
-        return await self._client.request(
-            method,
-            target,
-            body=body,
-            headers={"Content-Type": "application/json"} if body is not None else None,
-            max_body=self.max_body,
-            max_idle=max_idle,
-        )
+        """Send it on ``slot``, which counts from the moment it is written (a new connection
+        may take a while to open before that); never written, its place goes back."""
+        try:
+            return await self._client.request(
+                method,
+                target,
+                body=body,
+                headers={"Content-Type": "application/json"} if body is not None else None,
+                max_body=self.max_body,
+                max_idle=max_idle,
+                sending=slot.went_out,
+            )
+        finally:
+            slot.release()
 
     async def scheduled_events(self) -> ScheduledEventsDocument:
         """One GET of the document (no retry: the poller decides when to ask again; only a GET

@@ -4,7 +4,8 @@ IMDS throttles a VM above 5 requests per second (429) — across EVERY client on
 Azure guest agent, cluster resource agents, Kubernetes node handlers, the documents' own sample
 loop. The budget is shared, so the agent takes a small part of it: :class:`RequestLimiter` is a
 sliding window over every request the agent makes (polls, approval POSTs, identity), by
-default at most 2 in any one-second window; a 429 halves that for a while (and the caller backs
+default at most 2 in any one-second window, each counted from when it is written (what IMDS
+sees); a 429 halves that for a while (and the caller backs
 off), so the agent slows down when the VM is busy instead of adding to it. :class:`Cadence`
 polls once per ``poll_interval`` (1 s: one request per second while nothing is pending), faster
 (every ``fast_interval``, 0.5 s) while something is seconds away: after an event of this VM
@@ -28,7 +29,7 @@ from datetime import UTC, datetime
 
 from schemas import ScheduledEvent
 
-__all__ = ["Cadence", "RequestLimiter"]
+__all__ = ["Cadence", "RequestLimiter", "RequestSlot"]
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,38 @@ _WINDOW_MARGIN = 0.02
 _THROTTLED_SECONDS = 10.0
 
 
+class RequestSlot:
+    """One request's place in the limiter's window: held from when it is let through until it
+    goes out (:meth:`went_out`, just before it is written), and counted from then."""
+
+    __slots__ = ("_limiter", "at", "out")
+
+    def __init__(self, limiter: RequestLimiter, at: float) -> None:
+        self._limiter = limiter
+        #: When it went out (until then, when it was let through).
+        self.at = at
+        self.out = False
+
+    def went_out(self) -> None:
+        """It is being written now. A second call changes nothing."""
+        if not self.out:
+            self._limiter._went_out(self)
+
+    def release(self) -> None:
+        """It was never written (its connection failed, its deadline passed first): its place
+        goes to the next request. Nothing once it went out."""
+        if not self.out:
+            self._limiter._release(self)
+
+
 class RequestLimiter:
-    """At most ``max_requests`` starts in any ``period`` seconds; after :meth:`throttled`,
-    half as many (at least one) for ``_THROTTLED_SECONDS``."""
+    """At most ``max_requests`` requests in any ``period`` seconds; after :meth:`throttled`,
+    half as many (at least one) for ``_THROTTLED_SECONDS``.
+
+    A request counts from when it goes out, not from when it was let through: one whose
+    connection takes its time to open (a loaded VM) holds its place meanwhile, then counts from
+    the moment it is written. Counted from its admission it reached IMDS together with the
+    requests let through after it: three within a second from a limiter of two."""
 
     def __init__(
         self,
@@ -52,10 +82,14 @@ class RequestLimiter:
         self.max_requests = max_requests
         self.period = period + _WINDOW_MARGIN
         self._clock = clock
-        self._starts: deque[float] = deque()
+        #: The requests in the window: gone out within ``period``, or let through and not yet
+        #: out (those hold their place however long they wait).
+        self._slots: list[RequestSlot] = []
         self._lock = asyncio.Lock()
+        #: Set when a request goes out: a wait on one still to go out ends then.
+        self._went: asyncio.Event | None = None
         self._slow_until = 0.0
-        #: The most requests started in any one second since :meth:`reset_peak`.
+        #: The most requests gone out in any one second since :meth:`reset_peak`.
         self.peak = 0
         self._recent: deque[float] = deque()
 
@@ -74,23 +108,45 @@ class RequestLimiter:
             )
         self._slow_until = self._clock() + _THROTTLED_SECONDS
 
-    async def acquire(self) -> None:
-        """Wait (bounded by ``period``) until one more request fits in the window."""
+    async def acquire(self) -> RequestSlot:
+        """Wait until one more request fits in the window; its slot, whose :meth:`~RequestSlot.
+        went_out` the caller calls as it writes the request."""
         async with self._lock:
             while True:
                 now = self._clock()
-                while self._starts and self._starts[0] <= now - self.period:
-                    self._starts.popleft()
-                if len(self._starts) < self.current_limit:
+                horizon = now - self.period
+                self._slots = [s for s in self._slots if not s.out or s.at > horizon]
+                if len(self._slots) < self.current_limit:
                     break
-                await asyncio.sleep(self._starts[0] + self.period - now)
-            started = self._clock()
-            self._starts.append(started)
-            recent = self._recent
-            recent.append(started)
-            while recent and recent[0] <= started - 1.0:
-                recent.popleft()
-            self.peak = max(self.peak, len(recent))
+                gone = [s.at for s in self._slots if s.out]
+                if self._went is None:
+                    self._went = asyncio.Event()
+                self._went.clear()
+                # Until the oldest request gone out leaves the window, or one waiting goes out.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(gone) + self.period - now if gone else None):
+                        await self._went.wait()
+            slot = RequestSlot(self, self._clock())
+            self._slots.append(slot)
+            return slot
+
+    def _went_out(self, slot: RequestSlot) -> None:
+        now = self._clock()
+        slot.at = max(slot.at, now)
+        slot.out = True
+        if self._went is not None:
+            self._went.set()
+        recent = self._recent
+        recent.append(now)
+        while recent and recent[0] <= now - 1.0:
+            recent.popleft()
+        self.peak = max(self.peak, len(recent))
+
+    def _release(self, slot: RequestSlot) -> None:
+        with contextlib.suppress(ValueError):
+            self._slots.remove(slot)
+        if self._went is not None:
+            self._went.set()
 
     def reset_peak(self) -> None:
         self.peak = 0

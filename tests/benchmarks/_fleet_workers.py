@@ -276,10 +276,11 @@ def _trace_limiter() -> None:
         method_of.set(method)  # the task's own context: requests of other tasks keep theirs
         return await request(self, method, *args, **kwargs)
 
-    async def traced_acquire(self: Any) -> None:
+    async def traced_acquire(self: Any) -> Any:
         began = time.monotonic()
-        await acquire(self)
+        slot = await acquire(self)
         _LIMITER_WAITS.setdefault(method_of.get(), []).append(time.monotonic() - began)
+        return slot
 
     ImdsClient._request = traced_request  # type: ignore[method-assign]
     RequestLimiter.acquire = traced_acquire  # type: ignore[method-assign]
