@@ -33,8 +33,11 @@ __all__ = ["Cadence", "RequestLimiter", "RequestSlot"]
 
 log = logging.getLogger(__name__)
 
-#: Extra spacing so requests that arrive late at IMDS still fall into separate windows.
-_WINDOW_MARGIN = 0.02
+#: Extra spacing so that requests IMDS receives a little late or early (the VM's load, the
+#: host's) still fall into separate windows: a request let through when the window has room is
+#: exactly one window after the one it waited for. With 20 ms, the simulator saw 3 requests
+#: within a second from some VMs of a 2,000-VM run on this machine; with 100 ms, at most 2.
+_WINDOW_MARGIN = 0.1
 #: How long a 429 halves the limiter's rate.
 _THROTTLED_SECONDS = 10.0
 
