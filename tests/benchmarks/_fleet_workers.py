@@ -286,7 +286,7 @@ def _trace_limiter() -> None:
     RequestLimiter.acquire = traced_acquire  # type: ignore[method-assign]
     # How long each exchange took once admitted (GET, POST), each new connection, and each
     # request's bytes on the wire and its answer (the exchange).
-    _timed(ImdsClient, "_send", lambda method, *_: method)
+    _timed(ImdsClient, "_send", lambda _slot, method, *_: method)
     _timed(HttpClient, "_connect", lambda *_: "connect")
     _timed(
         HttpClient, "_exchange", lambda _, raw, *__: f"{raw.split(b' ', 1)[0].decode()} exchange"
