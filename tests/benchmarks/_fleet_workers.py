@@ -112,6 +112,7 @@ async def run_sim(spec: dict[str, Any]) -> None:
     sim = Simulator(config, topology=Topology.fleet(**spec["topology"]))
     keep_alive = spec.get("keep_alive", 5)
     async with serve(sim, port=0, shutdown_timeout=2, keep_alive_seconds=keep_alive) as server:
+        lag = LoopLag()
         _say(url=server.base_url, vms=len(sim.served_vm_names()))
         async for command in _commands():
             op = command["op"]
@@ -152,8 +153,14 @@ async def run_sim(spec: dict[str, Any]) -> None:
                     for s in sim.all_request_stats()
                     if s.count(method="POST")
                 }
-                busiest = max((s.max_per_second for s in sim.all_request_stats()), default=0)
-                _say(events=events, posts=posts, busiest_vm_per_second=busiest)
+                stats = sim.all_request_stats()
+                _say(
+                    events=events,
+                    posts=posts,
+                    busiest_vm_per_second=max((s.max_per_second for s in stats), default=0),
+                    vms_over_two_per_second=sum(1 for s in stats if s.max_per_second > 2),
+                    loop_lag=lag.report(),
+                )
             elif op == "requests":
                 stats = sim.all_request_stats()
                 _say(**{m: sum(s.count(method=m) for s in stats) for m in ("GET", "POST")})

@@ -172,6 +172,11 @@ class Result:
     startup_seconds: float = 0.0
     imds_errors: dict[str, int] = field(default_factory=dict)
     busiest_vm_per_second: int = 0
+    #: VMs from which the simulator received more than 2 requests within one second.
+    vms_over_two_per_second: int = 0
+    #: Per simulator shard, how late its event loop ran a 0.1 s timer over the run (p99, max):
+    #: it stamps each request's arrival, so its lag moves arrivals together or apart.
+    sim_loop_lag: list[dict[str, float]] = field(default_factory=list)
     #: IMDS requests by method from the burst to the end (every VM's, the simulator's count).
     imds_requests: dict[str, int] = field(default_factory=dict)
     #: Per agent process, how late its event loop ran a 0.1 s timer over the run (p99, max).
@@ -566,6 +571,8 @@ def _account(
         result.busiest_vm_per_second = max(
             result.busiest_vm_per_second, report["busiest_vm_per_second"]
         )
+        result.vms_over_two_per_second += report["vms_over_two_per_second"]
+        result.sim_loop_lag.append(report["loop_lag"])
     result.posts = posts
     # What each VM went through, by the simulator: its own event's transitions.
     expected: set[tuple[str, str, str]] = set()
@@ -674,7 +681,10 @@ def table(result: Result) -> str:
             ]
         ),
         f"IMDS errors {result.imds_errors}; busiest VM {result.busiest_vm_per_second} requests"
-        " in one second",
+        f" in one second ({result.vms_over_two_per_second} VMs over 2, as the simulator stamped"
+        " their arrivals; its shards' event-loop lag, p99 / max: "
+        + ", ".join(f"{lag['p99']:.2f} / {lag['max']:.2f} s" for lag in result.sim_loop_lag)
+        + ")",
         "IMDS requests from the burst to the end: "
         + ", ".join(
             f"{count} {method}s ({count / max(result.finished_in, 0.1):.0f}/s)"
