@@ -172,6 +172,8 @@ class Result:
     startup_seconds: float = 0.0
     imds_errors: dict[str, int] = field(default_factory=dict)
     busiest_vm_per_second: int = 0
+    #: The most requests one agent wrote within one second (its limiter's count).
+    agent_peak_per_second: int = 0
     #: VMs from which the simulator received more than 2 requests within one second.
     vms_over_two_per_second: int = 0
     #: Per simulator shard, how late its event loop ran a 0.1 s timer over the run (p99, max):
@@ -557,6 +559,7 @@ def _account(
     sims: list[dict[str, Any]],
 ) -> None:
     result.loop_lag = [report["loop_lag"] for report in agent_reports]
+    result.agent_peak_per_second = max((r["peak_rps"] for r in agent_reports), default=0)
     for report in agent_reports:
         for kind, count in report["published"].items():
             result.published_by_kind[kind] = result.published_by_kind.get(kind, 0) + count
@@ -681,10 +684,10 @@ def table(result: Result) -> str:
             ]
         ),
         f"IMDS errors {result.imds_errors}; busiest VM {result.busiest_vm_per_second} requests"
-        f" in one second ({result.vms_over_two_per_second} VMs over 2, as the simulator stamped"
-        " their arrivals; its shards' event-loop lag, p99 / max: "
+        f" in one second as the simulator stamped their arrival ({result.vms_over_two_per_second}"
+        " VMs over 2; its shards' event-loop lag, p99 / max: "
         + ", ".join(f"{lag['p99']:.2f} / {lag['max']:.2f} s" for lag in result.sim_loop_lag)
-        + ")",
+        + f"), {result.agent_peak_per_second} as the agents wrote them",
         "IMDS requests from the burst to the end: "
         + ", ".join(
             f"{count} {method}s ({count / max(result.finished_in, 0.1):.0f}/s)"
