@@ -737,6 +737,10 @@ class _LockKeeper:
                 self._entity,
                 exc or type(exc).__name__,
             )
+        except Exception:
+            # Not a failure the SDK means to raise: said, and tried again at the next look
+            # (ended here, the keeper would let every lock of the receiver lapse unsaid).
+            log.exception("renewing %s on %s failed unexpectedly", what, self._entity)
 
 
 class _ServiceBusSubscription(AsyncResource):
