@@ -23,7 +23,7 @@ from tests.transport._helpers import outgoing
 
 pytestmark = [pytest.mark.servicebus, pytest.mark.timeout(90)]
 
-#: Short, so renewals come often; the SDK keeps nothing shorter than a few seconds.
+#: Short, so that renewals come every second or two.
 LOCK_SECONDS = 3.0
 
 
