@@ -34,6 +34,7 @@ import contextlib
 import logging
 import re
 import sqlite3
+import time
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -166,6 +167,8 @@ MIN_SQLITE = (3, 35, 0)
 #: How long a statement waits for another process's lock on a SQLite file.
 BUSY_SECONDS = 10.0
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+#: The pause between two tries of switching a file to WAL while another connection holds it.
+_WAL_SWITCH_PAUSE = 0.02
 #: SQLite's primary result codes that say the file cannot be used just now, not that the
 #: statement is refused: another process holds its lock past ``busy_seconds`` (BUSY, LOCKED: a
 #: service sharing the file, a backup, an upgrade), the disk is full (FULL), the file or its
@@ -365,6 +368,7 @@ class SqliteDatabase(Database):
 
     def _open(self) -> sqlite3.Connection:
         """On the database's thread, which the connection then never leaves."""
+        began = time.monotonic()
         try:
             # The wait for another process's lock holds from the first statement: switching to
             # WAL takes the file's lock too.
@@ -372,7 +376,7 @@ class SqliteDatabase(Database):
         except (sqlite3.Error, OSError) as exc:
             raise ConfigError(f"cannot open the database {self.path}: {exc}") from exc
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
+            self._switch_to_wal(conn, began + self.busy_seconds)
             conn.execute("PRAGMA synchronous=NORMAL")
             if self.checkpoint_every is not None:  # the background connection does it
                 conn.execute("PRAGMA wal_autocheckpoint=0")
@@ -385,11 +389,29 @@ class SqliteDatabase(Database):
                 # that passes, and a restart tries again. As a settings error (exit 2) it was
                 # "not a usable SQLite database", and systemd left the service stopped.
                 raise DatabaseError(
-                    f"{self.path} stayed locked by another process for {self.busy_seconds:g} s "
-                    f"({exc}): not opened; a later start tries again"
+                    f"{self.path} stayed locked by another process for "
+                    f"{time.monotonic() - began:.1f} s ({exc}): not opened; a later start "
+                    "tries again"
                 ) from exc
             raise ConfigError(f"{self.path} is not a usable SQLite database: {exc}") from exc
         return conn
+
+    @staticmethod
+    def _switch_to_wal(conn: sqlite3.Connection, deadline: float) -> None:
+        """Put the file in WAL mode (a no-op once it is), trying again until ``deadline``
+        (monotonic) while another connection holds it. Two connections switching a file at once
+        each hold the read lock the other must wait out, and SQLite refuses one of them at
+        once instead of waiting (the approver and the audit starting together on a new file)."""
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorcode", None) not in _BUSY:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(_WAL_SWITCH_PAUSE)  # on the database's own thread
 
     async def _checkpoint_regularly(self, every: float) -> None:
         """Checkpoint every ``every`` seconds on a connection and a thread of its own (made at
