@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 from azure.servicebus.aio import ServiceBusClient, ServiceBusReceiver, ServiceBusSender
 
 from schemas import ChannelNames
+from schemas.transport import Delivery
+from schemas.transport.servicebus import ServiceBusTransport
 from tests.servicebus_double import EntityOptions, ServiceBusDouble
+from tests.transport._helpers import outgoing
 
 LOCK_DURATION = 1.0
 MAX_DELIVERY_COUNT = 3
@@ -35,6 +38,21 @@ def close_what_the_sdk_left_open() -> int:
     for writer in left:
         writer.transport.abort()
     return len(left)
+
+
+async def an_approval_arrives(
+    transport: ServiceBusTransport,
+    waiting: Awaitable[Delivery],
+    *,
+    vm: str = "vm-a",
+    within: float = 10.0,
+) -> None:
+    """Send ``vm`` an approval and see it arrive (``waiting``: the next delivery of its approvals
+    subscription, asked for before), then ack it."""
+    await transport.send_approval(transport.reply_address(vm), outgoing("ok"))
+    delivery = await asyncio.wait_for(waiting, within)
+    assert delivery.body == b"ok"
+    await delivery.ack()
 
 
 async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from schemas import ChannelNames
 from schemas.transport.servicebus import ServiceBusTransport
+from tests.servicebus.conftest import an_approval_arrives
 from tests.servicebus_double import EntityOptions, ServiceBusDouble
 from tests.transport._helpers import outgoing
 
@@ -78,10 +79,7 @@ async def test_a_session_held_past_its_lock_keeps_its_receiver(
         try:
             waiting = asyncio.ensure_future(anext(subscription))
             await asyncio.sleep(3 * LOCK_SECONDS)
-            await transport.send_approval(transport.reply_address("vm-a"), outgoing("ok"))
-            delivery = await asyncio.wait_for(waiting, 10)
-            assert delivery.body == b"ok"
-            await delivery.ack()
+            await an_approval_arrives(transport, waiting)
         finally:
             await subscription.close()
     opened = short_locks.usage().receive_links_by_entity[channels.approvals_queue].opened

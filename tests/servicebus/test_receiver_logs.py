@@ -12,9 +12,8 @@ import pytest
 
 from schemas import ChannelNames
 from schemas.transport.servicebus import ServiceBusTransport
-from tests.servicebus.conftest import close_what_the_sdk_left_open
+from tests.servicebus.conftest import an_approval_arrives, close_what_the_sdk_left_open
 from tests.servicebus_double import ServiceBusDouble
-from tests.transport._helpers import outgoing
 from tests.transport.proxy import TcpProxy
 
 pytestmark = [pytest.mark.servicebus, pytest.mark.timeout(60)]
@@ -48,10 +47,7 @@ async def test_a_receiver_failing_for_seconds_is_said_once_then_when_it_is_back(
                 await asyncio.sleep(8)
                 tries = len(_said(caplog, logging.DEBUG)) + len(_said(caplog, logging.WARNING))
                 await proxy.restore()
-                await transport.send_approval(transport.reply_address("vm-a"), outgoing("ok"))
-                delivery = await asyncio.wait_for(waiting, 30)
-                assert delivery.body == b"ok"
-                await delivery.ack()
+                await an_approval_arrives(transport, waiting, within=30)
             finally:
                 await subscription.close()
     close_what_the_sdk_left_open()
