@@ -146,9 +146,6 @@ class ImdsClient:
     ) -> bytes:
         """One request under one overall deadline; the answer's body (at most ``max_body``)."""
         endpoint = url.removeprefix(self.base_url + "/metadata/")
-        slot = await self._admit(endpoint)
-        # The first Scheduled Events call enables the service and may take two minutes.
-        deadline = self.timeout if self._answered else self.first_timeout
         what = f"IMDS {method} {url}"
         path = self._prefix + url.removeprefix(self.base_url)
         query = (
@@ -157,6 +154,10 @@ class ImdsClient:
             else _version_query(api_version)
         )
         target = f"{path}?{query}"
+        # From here to the send nothing may fail: the slot is given back only by _send.
+        slot = await self._admit(endpoint)
+        # The first Scheduled Events call enables the service and may take two minutes.
+        deadline = self.timeout if self._answered else self.first_timeout
         try:
             async with asyncio.timeout(deadline):
                 try:
@@ -221,10 +222,15 @@ class ImdsClient:
         return content
 
     async def _admit(self, endpoint: str) -> RequestSlot:
-        """Every request IMDS may receive waits for the VM's budget and is counted."""
+        """Every request IMDS may receive waits for the VM's budget and is counted. Its slot
+        holds a place in the budget until :meth:`_send` gives it back or writes the request."""
         slot = await self.limiter.acquire()
         if self._on_request is not None:
-            self._on_request(endpoint)
+            try:
+                self._on_request(endpoint)
+            except BaseException:
+                slot.release()  # never sent: a place held for ever would shrink the budget
+                raise
         return slot
 
     async def _send(

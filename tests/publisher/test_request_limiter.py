@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
+from publisher._imds import ImdsClient
 from publisher._poller import RequestLimiter
 
 PERIOD = 0.5
@@ -41,3 +44,25 @@ async def test_a_request_never_written_gives_its_place_back() -> None:
     assert not late.done()  # two out within the period
     (await asyncio.wait_for(late, 5)).went_out()
     assert limiter.peak == 3  # gone out within one second (the limit is per PERIOD here)
+
+
+async def test_a_request_that_fails_before_it_is_sent_gives_its_place_back() -> None:
+    """A request of the agent's IMDS client that fails between its admission and its send (here
+    the request counter raising) gives its place back: held for ever, two such places would
+    stop every later request of the agent, its polls included."""
+    calls = 0
+
+    def counter(endpoint: str) -> None:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise RuntimeError("the counter broke")
+
+    async with ImdsClient(
+        "http://127.0.0.1:9", timeout=1, first_timeout=1, on_request=counter
+    ) as client:
+        for _ in range(2):
+            with pytest.raises(RuntimeError):
+                await client.scheduled_events()
+        slot = await asyncio.wait_for(client.limiter.acquire(), 2 * PERIOD)
+        slot.release()
