@@ -154,7 +154,8 @@ class ImdsClient:
             else _version_query(api_version)
         )
         target = f"{path}?{query}"
-        # From here to the send nothing may fail: the slot is given back only by _send.
+        # Nothing may fail between the admission and the send: past _admit, only _send gives
+        # the slot back (or writes the request).
         slot = await self._admit(endpoint)
         # The first Scheduled Events call enables the service and may take two minutes.
         deadline = self.timeout if self._answered else self.first_timeout

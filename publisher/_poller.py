@@ -90,7 +90,7 @@ class RequestLimiter:
         self._slots: list[RequestSlot] = []
         self._lock = asyncio.Lock()
         #: Set when a request goes out: a wait on one still to go out ends then.
-        self._went: asyncio.Event | None = None
+        self._went = asyncio.Event()
         self._slow_until = 0.0
         #: The most requests gone out in any one second since :meth:`reset_peak`.
         self.peak = 0
@@ -122,8 +122,6 @@ class RequestLimiter:
                 if len(self._slots) < self.current_limit:
                     break
                 gone = [s.at for s in self._slots if s.out]
-                if self._went is None:
-                    self._went = asyncio.Event()
                 self._went.clear()
                 # Until the oldest request gone out leaves the window, or one waiting goes out.
                 with contextlib.suppress(TimeoutError):
@@ -137,8 +135,7 @@ class RequestLimiter:
         now = self._clock()
         slot.at = max(slot.at, now)
         slot.out = True
-        if self._went is not None:
-            self._went.set()
+        self._went.set()
         recent = self._recent
         recent.append(now)
         while recent and recent[0] <= now - 1.0:
@@ -148,8 +145,7 @@ class RequestLimiter:
     def _release(self, slot: RequestSlot) -> None:
         with contextlib.suppress(ValueError):
             self._slots.remove(slot)
-        if self._went is not None:
-            self._went.set()
+        self._went.set()
 
     def reset_peak(self) -> None:
         self.peak = 0

@@ -613,14 +613,6 @@ class _ServiceBusDelivery:
     def message(self) -> ServiceBusReceivedMessage:
         return self._message
 
-    @property
-    def lock_token(self) -> object:
-        return self._message.lock_token
-
-    @property
-    def locked_until(self) -> datetime | None:
-        return self._message.locked_until_utc
-
     async def ack(self) -> None:
         await self._settle(lambda r: r.complete_message(self._message))
 
@@ -698,7 +690,7 @@ class _LockKeeper:
                 continue
             now = time.monotonic()
             held = [d for d in self._held() if now - d.received_at < MESSAGE_RENEWAL_SECONDS]
-            tokens = {str(d.lock_token) for d in held}
+            tokens = {str(d.message.lock_token) for d in held}
             for token in self._lengths.keys() - tokens:
                 del self._lengths[token]
             await asyncio.gather(
@@ -708,7 +700,9 @@ class _LockKeeper:
                         functools.partial(self._receiver.renew_message_lock, delivery.message),
                     )
                     for delivery in held
-                    if self._due(str(delivery.lock_token), delivery.locked_until)
+                    if self._due(
+                        str(delivery.message.lock_token), delivery.message.locked_until_utc
+                    )
                 )
             )
 
