@@ -379,6 +379,7 @@ async def run_agents(spec: dict[str, Any]) -> None:
             state_dir=None if state_root is None else Path(state_root) / name,
             poll_interval=spec["poll_interval"],
             fast_poll_seconds=spec["fast_poll_seconds"],
+            heartbeat_interval=spec.get("heartbeat_interval", 60.0),
             trust_keys=(Path(spec["trust_key"]),),
             log_level="WARNING",
             channels=channels,

@@ -88,6 +88,8 @@ class Plan:
     poll_interval: float = 1.0
     #: The agent's fast polling after a change (its default: 10 s at 0.5 s); 0 turns it off.
     fast_poll_seconds: float = 10.0
+    #: Seconds between an agent's heartbeats (the agent's default: 60).
+    heartbeat_interval: float = 60.0
     sim_shards: int = 0
     agent_workers: int = 0
     agents_per_connection: int = 500
@@ -434,6 +436,7 @@ async def _run(
             {"broker": plan.broker, "channels": spec_channels, "vms": vms,
              "agents_per_connection": plan.agents_per_connection,
              "poll_interval": plan.poll_interval, "fast_poll_seconds": plan.fast_poll_seconds,
+             "heartbeat_interval": plan.heartbeat_interval,
              "trust_key": str(public), "start_at": start_at, "ramp": plan.ramp_seconds,
              "nice": plan.agents_nice}
         )  # fmt: skip
@@ -647,6 +650,7 @@ def table(result: Result) -> str:
         f"{plan.vms} VMs ({plan.workers} agent process(es), {plan.shards} simulator shard(s), "
         f"placement groups of {plan.placement_group_size}), poll every {plan.poll_interval:g} s"
         f"{'' if plan.fast_poll_seconds else ' (fast polling off)'}"
+        f"{'' if plan.heartbeat_interval == 60 else f', heartbeats {plan.heartbeat_interval:g} s'}"
         f"{f', agents at nice {plan.agents_nice}' if plan.agents_nice else ''}"
         f"{f', approver and audit at nice {plan.central_nice}' if plan.central_nice else ''}"
         ", approver state "
@@ -742,6 +746,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", help="approver policy file (default: the sample policy)")
     parser.add_argument("--poll-interval", type=float, default=defaults.poll_interval)
     parser.add_argument("--fast-poll-seconds", type=float, default=defaults.fast_poll_seconds)
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=defaults.heartbeat_interval,
+        help="seconds between each agent's heartbeats (the agent's default: 60)",
+    )  # fmt: skip
     parser.add_argument("--sim-shards", type=int, default=0, help="default: by polls a second")
     parser.add_argument("--agent-workers", type=int, default=0, help="default: by VMs")
     parser.add_argument("--agents-per-connection", type=int, default=defaults.agents_per_connection)
@@ -782,6 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         policy=args.policy,
         poll_interval=args.poll_interval,
         fast_poll_seconds=args.fast_poll_seconds,
+        heartbeat_interval=args.heartbeat_interval,
         sim_shards=args.sim_shards,
         agent_workers=args.agent_workers,
         agents_per_connection=args.agents_per_connection,
