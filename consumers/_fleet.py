@@ -442,8 +442,9 @@ class FleetView:
     """Merges lifecycle messages into per-event and per-agent state. Not thread-safe; feed it
     from one task (a :class:`~consumers.FleetStream` handler).
 
-    ``liveness_timeout``: an agent is live while it was heard from within this long (agents
-    send a heartbeat every 60 s by default, so the default allows one to be lost).
+    ``liveness_timeout``: an agent is live while it was heard from within this long (an agent
+    sends a message at least every 60 s by default, a heartbeat when it has nothing else to
+    say, so the default allows one to be lost).
     ``retention``: how long a completed or canceled event is kept before :meth:`prune`
     forgets it; ``expiry``: how long an open event nobody reports on is kept; ``clock_skew``:
     how far ahead of ``clock`` a message's time is believed (see :meth:`apply`).

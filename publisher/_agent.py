@@ -507,8 +507,18 @@ class Agent:
         reply_to: ReplyAddress,
         outbox: OutboxPublisher,
     ) -> None:
+        """An ``agent.heartbeat`` once ``heartbeat_interval`` went by with no message queued.
+        Any message says the agent is alive (consumers count a VM live from its last message
+        of any kind, :meth:`consumers.FleetView.is_live`), so a VM busy with its events sends
+        none: in a fleet-wide wave, heartbeats would otherwise add a message a minute per VM
+        to every consumer group when they have the most to read (AMQP's own heartbeats go
+        only on an idle connection for the same reason)."""
+        interval = self.settings.heartbeat_interval
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval)
+            quiet = time.monotonic() - store.last_queued
+            if quiet < interval:
+                await asyncio.sleep(interval - quiet)
+                continue
             await self._commit_agent_message(store, MessageType.AGENT_HEARTBEAT, identity, reply_to)
             outbox.notify()
 

@@ -160,6 +160,7 @@ class AgentSettings:
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"
     log_level: str = "INFO"
+    #: An ``agent.heartbeat`` goes once this long went by without any other message.
     heartbeat_interval: float = 60.0
     #: Outbox bound in messages. Heartbeats are dropped first; transitions and every other
     #: message are never dropped (the outbox grows past the bound, and says so loudly).
@@ -538,7 +539,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", help="address for /metrics and /healthz (default 127.0.0.1)")
     p.add_argument("--log-format", help="text or json (default text)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
-    p.add_argument("--heartbeat-interval", help="seconds between agent.heartbeat (default 60)")
+    p.add_argument(
+        "--heartbeat-interval",
+        help="an agent.heartbeat once this many seconds went by without any other message "
+        "(default 60; any message says the agent is alive)",
+    )
     p.add_argument("--outbox-limit", help="outbox bound; heartbeats dropped first (default 10000)")
     p.add_argument("--drain-timeout", help="seconds to drain the outbox on stop (default 10)")
     p.add_argument("--publish-timeout", help="seconds to wait for a broker confirm (default 10)")

@@ -296,6 +296,9 @@ class StateStore:
         self.path: Path | None = None
         #: The hook runs (rowids) found unreadable and logged so: once each, not at each read.
         self._hook_rows_reported: set[int] = set()
+        #: When a message was last put in the outbox (monotonic; the store's opening before
+        #: any): the heartbeat goes only after ``heartbeat_interval`` with none.
+        self.last_queued = time.monotonic()
 
     @classmethod
     async def open(
@@ -431,6 +434,8 @@ class StateStore:
             hook_done,
             self.limit,
         )
+        if messages:
+            self.last_queued = time.monotonic()
         if result.dropped:
             log.warning(
                 "outbox full (%d rows, bound %d): dropped %d heartbeat(s)",

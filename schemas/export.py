@@ -247,7 +247,9 @@ def asyncapi() -> dict[str, Any]:
                 "agent": _message(
                     "agent",
                     "Agent",
-                    "agent.online, agent.heartbeat or agent.offline",
+                    "agent.online, agent.heartbeat or agent.offline (a heartbeat goes once the "
+                    "agent's heartbeat interval, 60 s by default, went by without any other "
+                    "message: any message says the agent is alive)",
                     CLOUDEVENTS_CONTENT_TYPE,
                 ),
                 "hook-result": _message(
