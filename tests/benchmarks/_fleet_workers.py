@@ -380,6 +380,7 @@ async def run_agents(spec: dict[str, Any]) -> None:
             poll_interval=spec["poll_interval"],
             fast_poll_seconds=spec["fast_poll_seconds"],
             heartbeat_interval=spec.get("heartbeat_interval", 60.0),
+            fast_poll_interval=spec.get("fast_poll_interval", 0.5),
             trust_keys=(Path(spec["trust_key"]),),
             log_level="WARNING",
             channels=channels,

@@ -88,6 +88,8 @@ class Plan:
     poll_interval: float = 1.0
     #: The agent's fast polling after a change (its default: 10 s at 0.5 s); 0 turns it off.
     fast_poll_seconds: float = 10.0
+    #: The agent's interval while polling fast (its default: 0.5 s).
+    fast_poll_interval: float = 0.5
     #: Seconds between an agent's heartbeats (the agent's default: 60).
     heartbeat_interval: float = 60.0
     sim_shards: int = 0
@@ -436,6 +438,7 @@ async def _run(
             {"broker": plan.broker, "channels": spec_channels, "vms": vms,
              "agents_per_connection": plan.agents_per_connection,
              "poll_interval": plan.poll_interval, "fast_poll_seconds": plan.fast_poll_seconds,
+             "fast_poll_interval": plan.fast_poll_interval,
              "heartbeat_interval": plan.heartbeat_interval,
              "trust_key": str(public), "start_at": start_at, "ramp": plan.ramp_seconds,
              "nice": plan.agents_nice}
@@ -650,6 +653,7 @@ def table(result: Result) -> str:
         f"{plan.vms} VMs ({plan.workers} agent process(es), {plan.shards} simulator shard(s), "
         f"placement groups of {plan.placement_group_size}), poll every {plan.poll_interval:g} s"
         f"{'' if plan.fast_poll_seconds else ' (fast polling off)'}"
+        f"{'' if plan.fast_poll_interval == 0.5 else f', fast {plan.fast_poll_interval:g} s'}"
         f"{'' if plan.heartbeat_interval == 60 else f', heartbeats {plan.heartbeat_interval:g} s'}"
         f"{f', agents at nice {plan.agents_nice}' if plan.agents_nice else ''}"
         f"{f', approver and audit at nice {plan.central_nice}' if plan.central_nice else ''}"
@@ -747,6 +751,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-interval", type=float, default=defaults.poll_interval)
     parser.add_argument("--fast-poll-seconds", type=float, default=defaults.fast_poll_seconds)
     parser.add_argument(
+        "--fast-poll-interval", type=float, default=defaults.fast_poll_interval,
+        help="seconds between an agent's polls while it polls fast (the agent's default: 0.5)",
+    )  # fmt: skip
+    parser.add_argument(
         "--heartbeat-interval", type=float, default=defaults.heartbeat_interval,
         help="seconds between each agent's heartbeats (the agent's default: 60)",
     )  # fmt: skip
@@ -791,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         poll_interval=args.poll_interval,
         fast_poll_seconds=args.fast_poll_seconds,
         heartbeat_interval=args.heartbeat_interval,
+        fast_poll_interval=args.fast_poll_interval,
         sim_shards=args.sim_shards,
         agent_workers=args.agent_workers,
         agents_per_connection=args.agents_per_connection,
