@@ -11,7 +11,9 @@ How (see ``_fleet_workers.py`` for each process):
 - the agents are the real :class:`publisher.Agent` (IMDS client, state store, outbox,
   transport; state in memory), ``--agent-workers`` processes of many agents each, one broker
   connection per ``--agents-per-connection`` agents (each agent its own channel for its
-  approvals), started spread over ``--ramp`` seconds, polling every ``--poll-interval``;
+  approvals), started spread over ``--ramp`` seconds, polling every ``--poll-interval``
+  (every ``--fast-poll-interval`` while polling fast, for at most ``--fast-poll-seconds``; a
+  heartbeat after ``--heartbeat-interval`` without another message);
 - the approver (:class:`ApproverService`, SQLite state, ``--policy``, default the documents'
   sample policy) and the audit (:class:`AuditService`, SQLite ledger) run in processes of
   their own, as their CLI runs them, with one more handler on each stream recording what it
@@ -29,7 +31,9 @@ or completed the simulator went through that a handler never got), duplicates th
 handler, wrong POSTs (an event no policy rule approves, or a second VM's POST of one event).
 
     python tests/benchmarks/fleet.py --vms 2000
-    python tests/benchmarks/fleet.py --vms 10000 --poll-interval 5 --fast-poll-seconds 0
+    python tests/benchmarks/fleet.py --vms 10000 --poll-interval 60 --sim-shards 2
+    python tests/benchmarks/fleet.py --vms 10000 --poll-interval 120 --fast-poll-interval 1 \\
+        --sim-shards 2 --timeout 600
     python tests/benchmarks/fleet.py --vms 200 --png /tmp/fleet.png
     python tests/benchmarks/fleet.py --vms 1000 --servicebus
 
