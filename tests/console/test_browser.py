@@ -327,8 +327,8 @@ async def test_a_burst_of_10000_events_updates_rows_not_the_page(open_page, tmp_
         await expect(page.locator("#open-count")).to_have_text("10000", timeout=30_000)
         elapsed = time.monotonic() - started
         # A batch's event rows come before its agent rows, in chunks the page applies as they
-        # arrive: the count of open events can be whole while the last chunks are on their way
-        # (a CI run read 19,000 rows created here).
+        # arrive, and the page's clock tick sets the count of open events too: it can be whole
+        # while the batch's last chunks are on their way (a CI run read 19,000 rows here).
         await page.wait_for_function(
             f"window.consoleStats.rowsCreated >= {before['rowsCreated'] + 20_000}",
             timeout=30_000,
