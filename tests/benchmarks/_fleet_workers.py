@@ -379,8 +379,8 @@ async def run_agents(spec: dict[str, Any]) -> None:
             state_dir=None if state_root is None else Path(state_root) / name,
             poll_interval=spec["poll_interval"],
             fast_poll_seconds=spec["fast_poll_seconds"],
-            heartbeat_interval=spec.get("heartbeat_interval", 60.0),
-            fast_poll_interval=spec.get("fast_poll_interval", 0.5),
+            # The agent's own defaults where the spec says nothing (faults.py's does not).
+            **{k: spec[k] for k in ("heartbeat_interval", "fast_poll_interval") if k in spec},
             trust_keys=(Path(spec["trust_key"]),),
             log_level="WARNING",
             channels=channels,

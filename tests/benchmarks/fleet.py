@@ -64,7 +64,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +73,14 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from publisher import AgentSettings  # noqa: E402
 from tests.benchmarks._fleet_workers import worker  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
+#: The agent's own defaults (its settings' numbers), which a run keeps unless told otherwise.
+AGENT_DEFAULTS = {
+    f.name: f.default for f in fields(AgentSettings) if isinstance(f.default, (int, float))
+}
 AMQP_URL = os.environ.get("RELAY_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 #: Polls one simulator process serves beside everything else on this machine (with httptools).
 POLLS_PER_SHARD = 1500.0
@@ -90,12 +95,12 @@ class Plan:
     broker: str = AMQP_URL
     policy: str | None = None
     poll_interval: float = 1.0
-    #: The agent's fast polling after a change (its default: 10 s at 0.5 s); 0 turns it off.
-    fast_poll_seconds: float = 10.0
+    #: How long the agent polls fast after a change (its default: 10 s); 0 turns it off.
+    fast_poll_seconds: float = AGENT_DEFAULTS["fast_poll_seconds"]
     #: The agent's interval while polling fast (its default: 0.5 s).
-    fast_poll_interval: float = 0.5
-    #: Seconds between an agent's heartbeats (the agent's default: 60).
-    heartbeat_interval: float = 60.0
+    fast_poll_interval: float = AGENT_DEFAULTS["fast_poll_interval"]
+    #: A heartbeat after this long without another message (the agent's default: 60 s).
+    heartbeat_interval: float = AGENT_DEFAULTS["heartbeat_interval"]
     sim_shards: int = 0
     agent_workers: int = 0
     agents_per_connection: int = 500
@@ -651,14 +656,20 @@ def _account(
     }
 
 
+def _unless_default(plan: Plan, name: str, text: str) -> str:
+    """``text`` with the plan's ``name`` in it when that is not the agent's default."""
+    value = getattr(plan, name)
+    return "" if value == AGENT_DEFAULTS[name] else text.format(value)
+
+
 def table(result: Result) -> str:
     plan = result.plan
     lines = [
         f"{plan.vms} VMs ({plan.workers} agent process(es), {plan.shards} simulator shard(s), "
         f"placement groups of {plan.placement_group_size}), poll every {plan.poll_interval:g} s"
         f"{'' if plan.fast_poll_seconds else ' (fast polling off)'}"
-        f"{'' if plan.fast_poll_interval == 0.5 else f', fast {plan.fast_poll_interval:g} s'}"
-        f"{'' if plan.heartbeat_interval == 60 else f', heartbeats {plan.heartbeat_interval:g} s'}"
+        f"{_unless_default(plan, 'fast_poll_interval', ', fast {:g} s')}"
+        f"{_unless_default(plan, 'heartbeat_interval', ', heartbeats {:g} s')}"
         f"{f', agents at nice {plan.agents_nice}' if plan.agents_nice else ''}"
         f"{f', approver and audit at nice {plan.central_nice}' if plan.central_nice else ''}"
         ", approver state "
