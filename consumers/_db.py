@@ -192,6 +192,11 @@ _UNAVAILABLE_CODES = frozenset(
 CHECKPOINT_SECONDS = 1.0
 
 
+def _locked(exc: sqlite3.Error) -> bool:
+    """Whether SQLite refused because another connection holds the file (BUSY, LOCKED)."""
+    return getattr(exc, "sqlite_errorcode", None) in _BUSY
+
+
 def _sqlite_failure(display: str, exc: sqlite3.Error) -> RelayError:
     """A SQLite failure as ours: :class:`~schemas.TransportError` when the file cannot be used
     just now (:data:`_UNAVAILABLE_CODES`), else :class:`DatabaseError` (the statement refused).
@@ -384,7 +389,7 @@ class SqliteDatabase(Database):
             conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
         except sqlite3.Error as exc:
             conn.close()
-            if getattr(exc, "sqlite_errorcode", None) in _BUSY:
+            if _locked(exc):
                 # Another process holds the file (a service sharing it, upgrading its tables):
                 # that passes, and a restart tries again. As a settings error (exit 2) it was
                 # "not a usable SQLite database", and systemd left the service stopped.
@@ -407,9 +412,7 @@ class SqliteDatabase(Database):
                 conn.execute("PRAGMA journal_mode=WAL")
                 return
             except sqlite3.OperationalError as exc:
-                if getattr(exc, "sqlite_errorcode", None) not in _BUSY:
-                    raise
-                if time.monotonic() >= deadline:
+                if not _locked(exc) or time.monotonic() >= deadline:
                     raise
             time.sleep(_WAL_SWITCH_PAUSE)  # on the database's own thread
 
