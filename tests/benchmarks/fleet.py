@@ -74,6 +74,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from publisher import AgentSettings  # noqa: E402
+from schemas import ConfigError  # noqa: E402
 from tests.benchmarks._fleet_workers import worker  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
@@ -829,6 +830,16 @@ def main(argv: list[str] | None = None) -> int:
         agents_nice=args.agents_nice,
         central_nice=args.central_nice,
     )
+    try:  # the agents' settings, refused here rather than by every agent process
+        AgentSettings(
+            broker="memory://fleet-check",
+            poll_interval=plan.poll_interval,
+            fast_poll_seconds=plan.fast_poll_seconds,
+            fast_poll_interval=plan.fast_poll_interval,
+            heartbeat_interval=plan.heartbeat_interval,
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
     began = time.monotonic()
     result = asyncio.run(measure(plan))
     print()
