@@ -33,6 +33,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from schemas import (
+    LIVENESS_PER_HEARTBEAT,
     AgentMessage,
     ApprovalOutcomeMessage,
     HookResultMessage,
@@ -304,6 +305,8 @@ class AgentState:
     agent_version: str = ""
     last_heartbeat: datetime | None = None
     offline_reason: str | None = None
+    #: The heartbeat interval its last message of its own declared (seconds; None: none).
+    heartbeat_interval: float | None = None
 
     @property
     def name(self) -> str:
@@ -339,6 +342,7 @@ class _AgentBefore(NamedTuple):
     agent_version: str
     last_heartbeat: datetime | None
     offline_reason: str | None
+    heartbeat_interval: float | None
 
 
 def _copy_agent(agent: AgentState) -> _AgentBefore:
@@ -350,6 +354,7 @@ def _copy_agent(agent: AgentState) -> _AgentBefore:
         agent.agent_version,
         agent.last_heartbeat,
         agent.offline_reason,
+        agent.heartbeat_interval,
     )
 
 
@@ -362,6 +367,7 @@ def _put_agent(agent: AgentState, before: _AgentBefore) -> None:
         agent.agent_version,
         agent.last_heartbeat,
         agent.offline_reason,
+        agent.heartbeat_interval,
     ) = before
 
 
@@ -444,7 +450,8 @@ class FleetView:
 
     ``liveness_timeout``: an agent is live while it was heard from within this long (an agent
     sends a message at least every 60 s by default, a heartbeat when it has nothing else to
-    say, so the default allows one to be lost).
+    say, so the default allows one to be lost), or within 2.5 of the heartbeat intervals its
+    own messages declare, if that is longer (:meth:`liveness_of`).
     ``retention``: how long a completed or canceled event is kept before :meth:`prune`
     forgets it; ``expiry``: how long an open event nobody reports on is kept; ``clock_skew``:
     how far ahead of ``clock`` a message's time is believed (see :meth:`apply`).
@@ -658,6 +665,7 @@ class FleetView:
             return
         if isinstance(message, AgentMessage):
             agent.agent_version = message.data.agent_version or agent.agent_version
+            agent.heartbeat_interval = message.data.heartbeat_interval
             if message.kind is MessageType.AGENT_OFFLINE:
                 agent.online = False
                 agent.offline_reason = message.data.reason
@@ -851,11 +859,20 @@ class FleetView:
         yield from list(self._agents.values())
 
     def is_live(self, vm: str, now: datetime | None = None) -> bool:
-        """Heard from within ``liveness_timeout`` and not announced offline."""
+        """Heard from within its liveness (:meth:`liveness_of`) and not announced offline."""
         agent = self._agents.get(vm.casefold())
         if agent is None or not agent.online:
             return False
-        return (now or self.clock()) - agent.last_seen <= self.liveness_timeout
+        return (now or self.clock()) - agent.last_seen <= self.liveness_of(agent)
+
+    def liveness_of(self, agent: AgentState) -> timedelta:
+        """How long ``agent`` counts as live after it was last heard from: ``liveness_timeout``,
+        or :data:`~schemas.LIVENESS_PER_HEARTBEAT` of the heartbeat interval it declared if
+        that is longer (the contract bounds what it may declare to an hour)."""
+        interval = agent.heartbeat_interval
+        if interval is None:
+            return self.liveness_timeout
+        return max(self.liveness_timeout, timedelta(seconds=LIVENESS_PER_HEARTBEAT * interval))
 
     def live_vms(self, event_id: str, now: datetime | None = None) -> tuple[str, ...]:
         """The VMs of the event's ``Resources`` whose agents are live, in Resources order."""

@@ -485,6 +485,7 @@ class Agent:
             outbox_depth=self._outbox.depth if self._outbox is not None else self._depth,
             document_incarnation=None if document is None else document.document_incarnation,
             reason=reason,
+            heartbeat_interval=self.settings.heartbeat_interval,
         )
         message = AgentMessage.build(
             kind, data, observed_at=datetime.now(UTC), instance=self.instance

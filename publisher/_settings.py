@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from schemas import API_VERSIONS, DEFAULT_API_VERSION, ConfigError
+from schemas import API_VERSIONS, DEFAULT_API_VERSION, MAX_HEARTBEAT_INTERVAL, ConfigError
 from schemas._files import read_setting_text
 from schemas.channels import DEFAULT_CHANNELS, ChannelNames
 from schemas.transitions import TransitionKind
@@ -160,7 +160,9 @@ class AgentSettings:
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"
     log_level: str = "INFO"
-    #: An ``agent.heartbeat`` goes once this long went by without any other message.
+    #: An ``agent.heartbeat`` goes once this long went by without any other message. Every
+    #: message of the agent's own says so, and consumers count it live for 2.5 of these (at
+    #: least their own timeout): at most an hour.
     heartbeat_interval: float = 60.0
     #: Outbox bound in messages. Heartbeats are dropped first; transitions and every other
     #: message are never dropped (the outbox grows past the bound, and says so loudly).
@@ -213,6 +215,12 @@ class AgentSettings:
             "health_grace",
         ):
             _check_positive(name, getattr(self, name))
+        if self.heartbeat_interval > MAX_HEARTBEAT_INTERVAL:
+            raise ConfigError(
+                f"heartbeat_interval must be at most {MAX_HEARTBEAT_INTERVAL:.0f} s (an hour), "
+                f"got {self.heartbeat_interval!r}: consumers count an agent live for 2.5 "
+                "heartbeat intervals, and the contract bounds what an agent may declare"
+            )
         if self.approval_max_lifetime > MAX_APPROVAL_LIFETIME:
             raise ConfigError(
                 f"approval_max_lifetime must be at most {MAX_APPROVAL_LIFETIME:.0f} s (a day), got "
@@ -542,7 +550,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-interval",
         help="an agent.heartbeat once this many seconds went by without any other message "
-        "(default 60; any message says the agent is alive)",
+        "(default 60, at most 3600). Any message says the agent is alive, and each of its own "
+        "messages says this interval: consumers count the agent live for 2.5 of them (or "
+        "their own timeout, 150 s by default, if longer)",
     )
     p.add_argument("--outbox-limit", help="outbox bound; heartbeats dropped first (default 10000)")
     p.add_argument("--drain-timeout", help="seconds to drain the outbox on stop (default 10)")

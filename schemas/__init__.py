@@ -54,6 +54,8 @@ from .imds import (
 )
 from .messages import (
     CLOUDEVENTS_CONTENT_TYPE,
+    LIVENESS_PER_HEARTBEAT,
+    MAX_HEARTBEAT_INTERVAL,
     AgentData,
     AgentMessage,
     ApprovalOutcomeData,
@@ -77,6 +79,8 @@ __all__ = [
     "CLOUDEVENTS_CONTENT_TYPE",
     "DEFAULT_API_VERSION",
     "DEFAULT_CHANNELS",
+    "LIVENESS_PER_HEARTBEAT",
+    "MAX_HEARTBEAT_INTERVAL",
     "MAX_KEY_LENGTH",
     "SCHEMA_VERSION",
     "TYPE_PREFIX",

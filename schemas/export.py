@@ -249,7 +249,8 @@ def asyncapi() -> dict[str, Any]:
                     "Agent",
                     "agent.online, agent.heartbeat or agent.offline (a heartbeat goes once the "
                     "agent's heartbeat interval, 60 s by default, went by without any other "
-                    "message: any message says the agent is alive)",
+                    "message: any message says the agent is alive; each of these says the "
+                    "interval, and consumers count the agent live for 2.5 of them)",
                     CLOUDEVENTS_CONTENT_TYPE,
                 ),
                 "hook-result": _message(

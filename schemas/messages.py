@@ -86,6 +86,13 @@ _ID_NAMESPACE = uuid.UUID("5c1d7a3e-94a4-4b0e-8f35-3a7d0c2b9e61")
 MAX_MESSAGE_BYTES = 256 * 1024
 #: The largest ``sequence``: a signed 64-bit integer, what every database and language stores.
 MAX_SEQUENCE = 2**63 - 1
+#: The longest heartbeat interval an agent may declare (seconds): an hour, so a consumer counts
+#: an agent live for at most 2.5 hours without a word (see :data:`LIVENESS_PER_HEARTBEAT`).
+MAX_HEARTBEAT_INTERVAL = 3600.0
+#: A consumer counts an agent live for this many of its heartbeat intervals since it was last
+#: heard from (one heartbeat may be lost and the next late), when that is longer than the
+#: consumer's own liveness timeout (150 s: 2.5 of the agent's default minute).
+LIVENESS_PER_HEARTBEAT = 2.5
 
 
 class UnknownMessageType(SchemaError):
@@ -236,6 +243,20 @@ class AgentData(_Data):
     reason: str | None = None
     #: (1.1) Names this run of the agent (with ``time`` it makes the message's id).
     instance: str | None = None
+    #: (1.2) The longest the agent stays quiet (seconds): it sends a heartbeat once this long
+    #: went by without another message. Consumers count it live for
+    #: :data:`LIVENESS_PER_HEARTBEAT` of these since they last heard from it, or for their own
+    #: liveness timeout if that is longer; None (older agents): their own timeout alone.
+    heartbeat_interval: float | None = Field(
+        default=None,
+        strict=True,  # a number: never a string or a boolean read as one
+        gt=0,
+        le=MAX_HEARTBEAT_INTERVAL,
+        description="(1.2) The longest the agent stays quiet, in seconds: it sends a heartbeat "
+        "once this long went by without another message. Consumers count the agent live for "
+        f"{LIVENESS_PER_HEARTBEAT:g} of these since they last heard from it, or for their own "
+        "liveness timeout if that is longer. Absent: their own timeout alone.",
+    )
 
 
 class HookOutcome(StrEnum):

@@ -11,7 +11,7 @@ from ._errors import SchemaError, VersionMismatch
 
 __all__ = ["SCHEMA_VERSION", "check_version"]
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 
 
 def _major(version: str) -> int:

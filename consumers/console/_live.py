@@ -311,8 +311,7 @@ class LiveFleet:
             "hooks": hooks,
         }
 
-    @staticmethod
-    def agent_row(agent: AgentState) -> dict[str, Any]:
+    def agent_row(self, agent: AgentState) -> dict[str, Any]:
         identity = agent.identity
         return {
             "key": agent.name.casefold(),
@@ -327,6 +326,8 @@ class LiveFleet:
             "offline_reason": agent.offline_reason,
             "last_seen": _iso(agent.last_seen),
             "last_heartbeat": _iso(agent.last_heartbeat),
+            # Silent once not heard from for this long (the interval it declared, x2.5).
+            "liveness": self.fleet.liveness_of(agent).total_seconds(),
         }
 
 

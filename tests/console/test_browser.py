@@ -22,6 +22,8 @@ from publisher.simulator import EventSource as SimSource
 from publisher.simulator import EventSpec, EventType
 from publisher.simulator import EventState as SimState
 from schemas import (
+    AgentData,
+    AgentMessage,
     MessageType,
     ReplyAddress,
     ScheduledEvent,
@@ -275,6 +277,43 @@ async def test_a_read_only_user_cannot_approve(open_page, tmp_path):
         await asyncio.sleep(0.5)
         assert stack.simulator.get_event(info.event_id).approvals == ()
         assert not [d for d in await stack.decisions(info.event_id) if d["decided_by"] == "victor"]
+        assert page.errors == []
+
+
+async def test_an_agent_is_silent_only_past_the_heartbeat_interval_it_declared(open_page, tmp_path):
+    """Two agents last heard 5 minutes ago: one declares a heartbeat every 10 minutes (it is
+    online: 2.5 intervals have not gone by), the other declares none (silent after the
+    console's 150 s). Before, both were silent: a fleet on a longer heartbeat interval looked
+    silent between its heartbeats."""
+    async with running_stack(tmp_path, vms=("web_0",), approver_first=False, audit=False) as stack:
+        page = await open_page(stack.url, "alice")
+        heard = datetime.now(UTC) - timedelta(minutes=5)
+        for name, interval in (("quiet_0", 600.0), ("plain_0", None)):
+            vm = VmIdentity(name=name, scale_set=name.split("_")[0], resource_group="rg")
+            message = AgentMessage.build(
+                MessageType.AGENT_HEARTBEAT,
+                AgentData(
+                    vm=vm,
+                    agent_version="0.1.0",
+                    reply_to=ReplyAddress(channel="scheduled-events.approvals", key=name),
+                    heartbeat_interval=interval,
+                ),
+                observed_at=heard,
+                instance="run-1",
+            )
+            await stack.transport.publish(lifecycle_message(message))
+        # web_0's own agent is online (it heartbeats every 5 s).
+        await expect(page.locator("#agent-summary")).to_contain_text(
+            "2 online, 1 silent, 0 offline", timeout=10_000
+        )
+        await page.check("#show-online")
+        await expect(page.locator("#agent-rows")).to_contain_text("quiet_0")
+        rows = {
+            name: await page.inner_text(f'#agent-rows tr:has-text("{name}")')
+            for name in ("quiet_0", "plain_0")
+        }
+        assert "online" in rows["quiet_0"], rows
+        assert "silent" in rows["plain_0"], rows
         assert page.errors == []
 
 

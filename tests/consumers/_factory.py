@@ -101,6 +101,7 @@ def heartbeat(
     at: datetime = T0,
     kind: MessageType = MessageType.AGENT_HEARTBEAT,
     approvals: str = APPROVALS,
+    heartbeat_interval: float | None = None,
 ) -> AgentMessage:
     return AgentMessage.build(
         kind,
@@ -109,6 +110,7 @@ def heartbeat(
             agent_version="0.1.0",
             reply_to=ReplyAddress(channel=approvals, key=identity.name),
             reason="SIGTERM" if kind is MessageType.AGENT_OFFLINE else None,
+            heartbeat_interval=heartbeat_interval,
         ),
         observed_at=at,
         instance="run-1",

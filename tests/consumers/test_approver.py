@@ -751,6 +751,33 @@ async def test_a_standby_rebuilds_an_event_another_vm_reported_over_as_still_ope
         assert view.is_down("web-a")
 
 
+async def test_a_standby_counts_an_agent_live_for_the_heartbeat_interval_it_declared(tmp_path):
+    """The stored state keeps an agent's last message of its own, which declares its heartbeat
+    interval (10 minutes here): a standby that takes over 5 minutes after a was last heard
+    counts it live as the active did, so the event b reported over stays open and a down."""
+    from ._factory import T0
+
+    ev = event("EVT-L", resources=("web-a",), status="Started")
+    messages: list[LifecycleMessage] = [
+        heartbeat(vm("web-a"), at=T0, heartbeat_interval=600.0),
+        transition("started", ev, vm("web-a"), at=T0 + timedelta(seconds=10)),
+        transition("completed", ev, vm("web-b"), at=T0 + timedelta(minutes=1)),
+    ]
+    now = [T0 + timedelta(minutes=5)]
+    standby = FleetView(clock=lambda: now[0])
+    async with open_ledger(f"sqlite:///{tmp_path / 'central.db'}") as ledger:
+        await ApproverState(ledger.db, "approver").commit(messages, [], [])
+        await ApproverState(ledger.db, "approver").load(standby)
+    standby.prune()
+    state = standby.event("EVT-L")
+    assert state is not None
+    assert not state.phase.is_over
+    assert standby.is_down("web-a")
+    now[0] = T0 + timedelta(minutes=26)  # 2.5 x 10 minutes after a was last heard
+    standby.prune()
+    assert state.completed
+
+
 async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_silent(transport):
     """VM a's maintenance holds NEXT (on c) under a cap of one unavailable VM per scale set.
     VM b, which sees a's event, reports it over; a's agent is live, so a still counts. Then

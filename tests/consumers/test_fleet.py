@@ -91,6 +91,58 @@ def test_liveness_follows_heartbeats_and_offline():
     assert address.key == "WEB-2"
 
 
+def test_an_agent_is_live_for_the_heartbeat_interval_it_declares():
+    """An operator may lengthen the agents' heartbeats (at 10,000 VMs a heartbeat a minute is
+    167 messages a second to every consumer group). Each agent says in its own messages how
+    long it may stay quiet, and the view counts it live for 2.5 of those intervals when that is
+    longer than its own ``liveness_timeout``: one heartbeat may be lost, the next late. An agent
+    that declares nothing (older than schema 1.2) is judged by ``liveness_timeout`` alone, as is
+    one whose newer message no longer declares an interval."""
+    now = [T0]
+    view = FleetView(liveness_timeout=timedelta(seconds=150), clock=lambda: now[0])
+    view.apply(heartbeat(vm("slow"), at=T0, heartbeat_interval=300.0))
+    view.apply(heartbeat(vm("plain"), at=T0))
+    view.apply(heartbeat(vm("brisk"), at=T0, heartbeat_interval=10.0))
+    now[0] = T0 + timedelta(seconds=149)
+    assert [view.is_live(name) for name in ("slow", "plain", "brisk")] == [True, True, True]
+    now[0] = T0 + timedelta(seconds=200)  # within 2.5 x 300 s, past 150 s
+    assert [view.is_live(name) for name in ("slow", "plain", "brisk")] == [True, False, False]
+    agent = view.agent("slow")
+    assert agent is not None
+    assert agent.heartbeat_interval == 300.0
+    assert view.liveness_of(agent) == timedelta(seconds=750)
+    now[0] = T0 + timedelta(seconds=751)
+    assert not view.is_live("slow")
+    # Heard again, from an agent that no longer declares an interval: the view's own timeout.
+    view.apply(heartbeat(vm("slow"), at=now[0]))
+    now[0] += timedelta(seconds=200)
+    assert not view.is_live("slow")
+
+
+def test_an_end_waits_for_a_vm_whose_agent_declared_a_long_heartbeat_interval():
+    """A VM's event started; another VM that sees it reports it over. VM a says nothing while
+    its event runs (nothing changes) and heartbeats every 10 minutes, as it declared: five
+    minutes later it is still live, so the event stays open and a stays down. Judged by the
+    view's 150 s alone, the event ended at that prune and a's fault domain counted a free VM
+    while a was in maintenance: a cap on unavailability would have let one more go."""
+    now = [T0]
+    view = FleetView(clock=lambda: now[0], liveness_timeout=timedelta(seconds=150))
+    view.apply(heartbeat(vm("a", fd=1), at=T0, heartbeat_interval=600.0))
+    _, started = _started_on_a(view)
+    now[0] = T0 + timedelta(minutes=1)
+    view.apply(transition("completed", started, vm("b"), at=now[0]))
+    now[0] = T0 + timedelta(minutes=6)
+    view.prune()
+    state = view.event("EVT-5")
+    assert state is not None
+    assert not state.phase.is_over
+    assert view.is_down("a")
+    now[0] = T0 + timedelta(minutes=27)  # 2.5 x 10 minutes after a was last heard
+    view.prune()
+    assert state.completed
+    assert not view.is_down("a")
+
+
 def test_an_outcome_under_another_vms_id_does_not_replace_that_vms_outcome():
     """Ids are the senders' own, and a VM can compute another's. VM b's ``approval.rejected``
     under the id of a's ``approval.applied`` must not erase that the event was approved (the

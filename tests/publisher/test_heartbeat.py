@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 from publisher.simulator import EventSpec, EventType
-from schemas import MessageType
+from schemas import AgentMessage, MessageType
 
 from .conftest import Broker
 from .harness import recorder, running, settings_for, simulator_server
@@ -65,3 +65,7 @@ async def test_a_heartbeat_goes_only_after_the_interval_without_any_other_messag
     assert (first - last_transition).total_seconds() >= INTERVAL - 0.1
     assert (second - first).total_seconds() >= INTERVAL - 0.1
     assert (second - last_transition).total_seconds() < 3 * INTERVAL
+    # Each of the agent's own messages says how long it may stay quiet: the consumers count it
+    # live for 2.5 of these intervals (a fleet on a longer interval stays live between them).
+    own = [m for m in [online, *heartbeats] if isinstance(m, AgentMessage)]
+    assert [m.data.heartbeat_interval for m in own] == [INTERVAL] * (1 + len(heartbeats))

@@ -116,6 +116,27 @@ def test_the_agent_refuses_a_huge_approval_max_lifetime_in_one_line() -> None:
     _refused_in_one_line(_cli("--approval-max-lifetime", "1e12"), "approval_max_lifetime")
 
 
+# ----------------------------------------------------------------------- heartbeat interval
+
+
+@pytest.mark.parametrize("seconds", ["3601", "86400", "1e300"])
+def test_a_heartbeat_interval_beyond_an_hour_is_refused(seconds: str) -> None:
+    """The agent declares its interval in its messages, and the contract refuses more than an
+    hour (consumers count it live for 2.5 intervals). Before, 1e300 was taken: no heartbeat
+    ever, and consumers called the idle VM silent after 150 s."""
+    with pytest.raises(ConfigError, match="heartbeat_interval must be at most 3600"):
+        parse_settings(["--broker", "memory://t", "--heartbeat-interval", seconds], {})
+
+
+def test_a_heartbeat_interval_of_up_to_an_hour_is_taken() -> None:
+    settings = parse_settings(["--broker", "memory://t", "--heartbeat-interval", "3600"], {})
+    assert settings.heartbeat_interval == 3600.0
+
+
+def test_the_agent_refuses_a_heartbeat_interval_beyond_an_hour_in_one_line() -> None:
+    _refused_in_one_line(_cli("--heartbeat-interval", "7200"), "heartbeat_interval")
+
+
 # ------------------------------------------------------------------------------------- URLs
 
 

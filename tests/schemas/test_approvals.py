@@ -52,7 +52,7 @@ def test_a_signed_approval_verifies_after_a_round_trip_through_json(key) -> None
     verify(received, _trusted(key), vm_name="web-7", now=NOW + timedelta(minutes=1))
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1"])
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2"])
 def test_the_golden_approvals_of_every_version_verify_with_their_test_key(version: str) -> None:
     approval = Approval.from_bytes((FIXTURES / version / "approval.json").read_bytes())
     trusted = load_public_keys([FIXTURES / "keys" / "golden.pub"])

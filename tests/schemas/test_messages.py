@@ -4,6 +4,7 @@ exported JSON Schemas accept them, versions are read by the documented rule, ids
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,27 @@ def _fixture(name: str) -> dict[str, Any]:
     return _load(ROOT / "fixtures" / SCHEMA_VERSION / f"{name}.json")
 
 
+@pytest.mark.parametrize("interval", [0, -60, 3600.5, 1e300, "soon", "60", True, [60]])
+def test_a_heartbeat_interval_out_of_bounds_is_refused(interval: object) -> None:
+    """What an agent declares decides how long consumers count it live: a VM that claims
+    forever (or nothing sensible) is refused with its message, never believed."""
+    raw = _fixture("agent.heartbeat")
+    raw["data"]["heartbeat_interval"] = interval
+    with pytest.raises(SchemaError, match="heartbeat_interval"):
+        decode(json.dumps(raw))
+
+
+def test_a_heartbeat_interval_within_bounds_or_absent_decodes() -> None:
+    for interval, expected in ((3600, 3600.0), (0.5, 0.5), (None, None)):
+        raw = _fixture("agent.heartbeat")
+        raw["data"]["heartbeat_interval"] = interval
+        message = decode(json.dumps(raw))
+        assert message.data.heartbeat_interval == expected  # type: ignore[union-attr]
+    raw = _fixture("agent.heartbeat")
+    del raw["data"]["heartbeat_interval"]  # an agent of 1.1
+    assert decode(json.dumps(raw)).data.heartbeat_interval is None  # type: ignore[union-attr]
+
+
 def test_a_newer_minor_version_decodes_and_ignores_what_it_added() -> None:
     raw = _fixture("started")
     raw["schemaversion"] = "1.7"
@@ -127,7 +149,9 @@ def test_a_newer_minor_version_decodes_and_ignores_what_it_added() -> None:
 def test_an_unknown_major_version_fails_naming_both_versions() -> None:
     raw = _fixture("started")
     raw["schemaversion"] = "2.0"
-    with pytest.raises(VersionMismatch, match=r"'2\.0'.*major version 1.*'1\.1'"):
+    with pytest.raises(
+        VersionMismatch, match=rf"'2\.0'.*major version 1.*'{re.escape(SCHEMA_VERSION)}'"
+    ):
         decode(json.dumps(raw))
 
 

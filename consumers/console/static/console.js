@@ -103,7 +103,9 @@
   function agentStatus(agent) {
     if (!agent) return "unknown";
     if (!agent.online) return "offline";
-    return serverNow() - Date.parse(agent.last_seen) > state.liveness * 1000 ? "silent" : "online";
+    // Its own liveness (2.5 of the heartbeat intervals it declares) when the server sent one.
+    const liveness = agent.liveness || state.liveness;
+    return serverNow() - Date.parse(agent.last_seen) > liveness * 1000 ? "silent" : "online";
   }
 
   function statusOf(event) {
@@ -470,7 +472,7 @@
     const counts = { online: 0, silent: 0, offline: 0 };
     for (const status of state.agentStatus.values()) counts[status] = (counts[status] || 0) + 1;
     $("agent-summary").textContent =
-      `${counts.online} online, ${counts.silent} silent, ${counts.offline} offline (silent: not heard for ${state.liveness} s)`;
+      `${counts.online} online, ${counts.silent} silent, ${counts.offline} offline (silent: not heard for ${state.liveness} s, or 2.5 of the heartbeat intervals an agent declares if longer)`;
   }
 
   function tick() {
