@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from schemas import API_VERSIONS, DEFAULT_API_VERSION, MAX_HEARTBEAT_INTERVAL, ConfigError
+from schemas import (
+    API_VERSIONS,
+    DEFAULT_API_VERSION,
+    LIVENESS_PER_HEARTBEAT,
+    MAX_HEARTBEAT_INTERVAL,
+    ConfigError,
+)
 from schemas._files import read_setting_text
 from schemas.channels import DEFAULT_CHANNELS, ChannelNames
 from schemas.transitions import TransitionKind
@@ -218,8 +224,9 @@ class AgentSettings:
         if self.heartbeat_interval > MAX_HEARTBEAT_INTERVAL:
             raise ConfigError(
                 f"heartbeat_interval must be at most {MAX_HEARTBEAT_INTERVAL:.0f} s (an hour), "
-                f"got {self.heartbeat_interval!r}: consumers count an agent live for 2.5 "
-                "heartbeat intervals, and the contract bounds what an agent may declare"
+                f"got {self.heartbeat_interval!r}: consumers count an agent live for "
+                f"{LIVENESS_PER_HEARTBEAT:g} heartbeat intervals, and the contract bounds what "
+                "an agent may declare"
             )
         if self.approval_max_lifetime > MAX_APPROVAL_LIFETIME:
             raise ConfigError(
@@ -550,9 +557,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-interval",
         help="an agent.heartbeat once this many seconds went by without any other message "
-        "(default 60, at most 3600). Any message says the agent is alive, and each of its own "
-        "messages says this interval: consumers count the agent live for 2.5 of them (or "
-        "their own timeout, 150 s by default, if longer)",
+        f"(default 60, at most {MAX_HEARTBEAT_INTERVAL:.0f}). Any message says the agent is "
+        "alive, and each of its own messages says this interval: consumers count the agent "
+        f"live for {LIVENESS_PER_HEARTBEAT:g} of them (or their own timeout, 150 s by default, "
+        "if longer)",
     )
     p.add_argument("--outbox-limit", help="outbox bound; heartbeats dropped first (default 10000)")
     p.add_argument("--drain-timeout", help="seconds to drain the outbox on stop (default 10)")
