@@ -50,6 +50,9 @@ DEFAULT_STATE_DIR = Path("/var/lib/scheduled-events-agent")
 #: minutes ahead (15 for most kinds), so a longer life only widens the window for a replay; and
 #: past about 2.5e11 s, ``issued_at`` plus the lifetime is no date at all.
 MAX_APPROVAL_LIFETIME = 86_400.0
+#: The shortest heartbeat interval the agent takes (seconds): a shorter one is a mistake that
+#: every consumer group pays for, once per VM.
+MIN_HEARTBEAT_INTERVAL = 1.0
 #: The largest settings file read (far more than any holds) and the largest secret file (a
 #: connection string is a few hundred bytes): a larger one, or a device that never ends
 #: (``/dev/zero``), is refused unread.
@@ -221,6 +224,12 @@ class AgentSettings:
             "health_grace",
         ):
             _check_positive(name, getattr(self, name))
+        if self.heartbeat_interval < MIN_HEARTBEAT_INTERVAL:
+            raise ConfigError(
+                f"heartbeat_interval must be at least {MIN_HEARTBEAT_INTERVAL:g} s, got "
+                f"{self.heartbeat_interval!r}: every heartbeat of every VM goes to every "
+                "consumer group (a typo of 0.06 for 60 would be a thousand times the load)"
+            )
         if self.heartbeat_interval > MAX_HEARTBEAT_INTERVAL:
             raise ConfigError(
                 f"heartbeat_interval must be at most {MAX_HEARTBEAT_INTERVAL:.0f} s (an hour), "
@@ -557,7 +566,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-interval",
         help="an agent.heartbeat once this many seconds went by without any other message "
-        f"(default 60, at most {MAX_HEARTBEAT_INTERVAL:.0f}). Any message says the agent is "
+        f"(default 60, at least {MIN_HEARTBEAT_INTERVAL:g}, at most {MAX_HEARTBEAT_INTERVAL:.0f}). "
+        "Any message says the agent is "
         "alive, and each of its own messages says this interval: consumers count the agent "
         f"live for {LIVENESS_PER_HEARTBEAT:g} of them (or their own timeout, 150 s by default, "
         "if longer)",

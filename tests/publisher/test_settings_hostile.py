@@ -128,9 +128,18 @@ def test_a_heartbeat_interval_beyond_an_hour_is_refused(seconds: str) -> None:
         parse_settings(["--broker", "memory://t", "--heartbeat-interval", seconds], {})
 
 
-def test_a_heartbeat_interval_of_up_to_an_hour_is_taken() -> None:
-    settings = parse_settings(["--broker", "memory://t", "--heartbeat-interval", "3600"], {})
-    assert settings.heartbeat_interval == 3600.0
+@pytest.mark.parametrize("seconds", ["0.06", "0.999", "1e-9"])
+def test_a_heartbeat_interval_under_a_second_is_refused(seconds: str) -> None:
+    """Every heartbeat of every VM goes to every consumer group: 0.06 typed for 60 was taken,
+    and each VM sent 16 a second, a thousand times the load, to each of them."""
+    with pytest.raises(ConfigError, match="heartbeat_interval must be at least 1 s"):
+        parse_settings(["--broker", "memory://t", "--heartbeat-interval", seconds], {})
+
+
+@pytest.mark.parametrize("seconds", ["1", "3600"])
+def test_a_heartbeat_interval_from_a_second_to_an_hour_is_taken(seconds: str) -> None:
+    settings = parse_settings(["--broker", "memory://t", "--heartbeat-interval", seconds], {})
+    assert settings.heartbeat_interval == float(seconds)
 
 
 def test_the_agent_refuses_a_heartbeat_interval_beyond_an_hour_in_one_line() -> None:
