@@ -809,6 +809,44 @@ async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_s
     assert [d.action for d in decided] == [Action.WAIT, Action.APPROVE]
 
 
+async def test_a_vm_on_a_long_heartbeat_interval_keeps_its_groups_room_between_heartbeats(
+    transport,
+):
+    """As above, but a's agent heartbeats every 10 minutes, as it declared: 3 minutes after a
+    was last heard it is quiet, not gone, and still in maintenance, so NEXT stays held. Judged
+    by the approver's own 150 s, NEXT was approved then: two VMs of the scale set down under a
+    cap of one. It is approved once 2.5 of a's intervals went by without a word."""
+    from consumers import ApproveUserInitiated, MaxUnavailable
+
+    now = [datetime.now(UTC)]
+    service = ApproverService(
+        transport,
+        generate_signing_key(),
+        policies=PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1))),
+        clock=lambda: now[0],
+    )
+    ids = {name: vm(name, scale_set="ss") for name in ("a", "b", "c")}
+    busy = event("BUSY", source="User", resources=("a",), status="Started")
+    next_one = event("NEXT", source="User", resources=("c",))
+    for name in ids:
+        await service.handle(heartbeat(ids[name], at=now[0], heartbeat_interval=600.0))
+    await service.handle(transition("started", busy, ids["a"], at=now[0]))
+    await service.handle(transition("scheduled", next_one, ids["c"], at=now[0]))
+    await service.handle(transition("completed", busy, ids["b"], at=now[0]))
+    last_heard = now[0]
+    for minutes in (3, 12, 24):
+        now[0] = last_heard + timedelta(minutes=minutes)
+        service._next_prune = 0.0  # the minute between prunes is over
+        await service.handle(heartbeat(ids["c"], at=now[0], heartbeat_interval=600.0))
+        held = [d.action for d in service.decisions if d.event_id == "NEXT"]
+        assert held == [Action.WAIT], (minutes, held)
+    now[0] = last_heard + timedelta(minutes=26)  # 2.5 x 10 minutes without a word from a
+    service._next_prune = 0.0
+    await service.handle(heartbeat(ids["c"], at=now[0], heartbeat_interval=600.0))
+    decided = [d.action for d in service.decisions if d.event_id == "NEXT"]
+    assert decided == [Action.WAIT, Action.APPROVE]
+
+
 async def test_an_event_held_by_a_percent_cap_is_approved_once_more_vms_join_its_group(
     transport,
 ):
