@@ -23,6 +23,7 @@ from schemas import (
     ReplyAddress,
     ScheduledEvent,
     TransportError,
+    VmIdentity,
     event_version,
     key_id,
     load_public_keys,
@@ -778,14 +779,14 @@ async def test_a_standby_counts_an_agent_live_for_the_heartbeat_interval_it_decl
     assert state.completed
 
 
-async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_silent(transport):
-    """VM a's maintenance holds NEXT (on c) under a cap of one unavailable VM per scale set.
-    VM b, which sees a's event, reports it over; a's agent is live, so a still counts. Then
-    a's agent falls silent (it cannot report the end any more): at the approver's next prune
-    the event ends for a, and NEXT, held on the scale set, is decided again and approved."""
+async def _next_held_behind_a(
+    transport, now: list[datetime], *, heartbeat_interval: float | None
+) -> tuple[ApproverService, dict[str, VmIdentity]]:
+    """Under a cap of one unavailable VM per scale set, VM a's event BUSY started; NEXT (on c)
+    is held for it; VM b, which sees BUSY, reported it over while a's agent is live. Every
+    agent heard at ``now[0]``, declaring ``heartbeat_interval``."""
     from consumers import ApproveUserInitiated, MaxUnavailable
 
-    now = [datetime.now(UTC)]
     service = ApproverService(
         transport,
         generate_signing_key(),
@@ -796,12 +797,22 @@ async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_s
     busy = event("BUSY", source="User", resources=("a",), status="Started")
     next_one = event("NEXT", source="User", resources=("c",))
     for name in ids:
-        await service.handle(heartbeat(ids[name], at=now[0]))
+        await service.handle(heartbeat(ids[name], at=now[0], heartbeat_interval=heartbeat_interval))
     await service.handle(transition("started", busy, ids["a"], at=now[0]))
     await service.handle(transition("scheduled", next_one, ids["c"], at=now[0]))
     await service.handle(transition("completed", busy, ids["b"], at=now[0]))
     held = [d for d in service.decisions if d.event_id == "NEXT"]
     assert [d.action for d in held] == [Action.WAIT]
+    return service, ids
+
+
+async def test_an_event_held_by_a_cap_is_approved_once_the_vm_in_the_way_falls_silent(transport):
+    """VM a's maintenance holds NEXT (on c) under a cap of one unavailable VM per scale set.
+    VM b, which sees a's event, reports it over; a's agent is live, so a still counts. Then
+    a's agent falls silent (it cannot report the end any more): at the approver's next prune
+    the event ends for a, and NEXT, held on the scale set, is decided again and approved."""
+    now = [datetime.now(UTC)]
+    service, ids = await _next_held_behind_a(transport, now, heartbeat_interval=None)
     now[0] += timedelta(minutes=3)  # a's agent silent past its liveness
     service._next_prune = 0.0  # the minute between prunes is over
     await service.handle(heartbeat(ids["c"], at=now[0]))
@@ -816,23 +827,8 @@ async def test_a_vm_on_a_long_heartbeat_interval_keeps_its_groups_room_between_h
     was last heard it is quiet, not gone, and still in maintenance, so NEXT stays held. Judged
     by the approver's own 150 s, NEXT was approved then: two VMs of the scale set down under a
     cap of one. It is approved once 2.5 of a's intervals went by without a word."""
-    from consumers import ApproveUserInitiated, MaxUnavailable
-
     now = [datetime.now(UTC)]
-    service = ApproverService(
-        transport,
-        generate_signing_key(),
-        policies=PolicySet((ApproveUserInitiated(), MaxUnavailable("scale_set", count=1))),
-        clock=lambda: now[0],
-    )
-    ids = {name: vm(name, scale_set="ss") for name in ("a", "b", "c")}
-    busy = event("BUSY", source="User", resources=("a",), status="Started")
-    next_one = event("NEXT", source="User", resources=("c",))
-    for name in ids:
-        await service.handle(heartbeat(ids[name], at=now[0], heartbeat_interval=600.0))
-    await service.handle(transition("started", busy, ids["a"], at=now[0]))
-    await service.handle(transition("scheduled", next_one, ids["c"], at=now[0]))
-    await service.handle(transition("completed", busy, ids["b"], at=now[0]))
+    service, ids = await _next_held_behind_a(transport, now, heartbeat_interval=600.0)
     last_heard = now[0]
     for minutes in (3, 12, 24):
         now[0] = last_heard + timedelta(minutes=minutes)
