@@ -32,6 +32,8 @@ handler, wrong POSTs (an event no policy rule approves, or a second VM's POST of
 
     python tests/benchmarks/fleet.py --vms 2000
     python tests/benchmarks/fleet.py --vms 10000 --poll-interval 60 --sim-shards 2
+    python tests/benchmarks/fleet.py --vms 10000 --poll-interval 60 --sim-shards 2 \\
+        --heartbeat-interval 600
     python tests/benchmarks/fleet.py --vms 10000 --poll-interval 120 --fast-poll-interval 1 \\
         --sim-shards 2 --timeout 600
     python tests/benchmarks/fleet.py --vms 200 --png /tmp/fleet.png
@@ -772,7 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--heartbeat-interval", type=float, default=defaults.heartbeat_interval,
-        help="seconds between each agent's heartbeats (the agent's default: 60)",
+        help="seconds an agent stays quiet before it sends a heartbeat, 1 to 3600 (the "
+        "agent's default: 60); the agents declare it, and the approver counts each live for 2.5 "
+        "of them",
     )  # fmt: skip
     parser.add_argument("--sim-shards", type=int, default=0, help="default: by polls a second")
     parser.add_argument("--agent-workers", type=int, default=0, help="default: by VMs")
