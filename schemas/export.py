@@ -21,6 +21,7 @@ from .imds import ScheduledEventsDocument
 from .messages import (
     CLOUDEVENTS_CONTENT_TYPE,
     ENVELOPES,
+    LIVENESS_PER_HEARTBEAT,
     dataschema_uri,
 )
 from .versioning import SCHEMA_VERSION
@@ -250,7 +251,8 @@ def asyncapi() -> dict[str, Any]:
                     "agent.online, agent.heartbeat or agent.offline (a heartbeat goes once the "
                     "agent's heartbeat interval, 60 s by default, went by without any other "
                     "message: any message says the agent is alive; each of these says the "
-                    "interval, and consumers count the agent live for 2.5 of them)",
+                    f"interval, and consumers count the agent live for {LIVENESS_PER_HEARTBEAT:g} "
+                    "of them)",
                     CLOUDEVENTS_CONTENT_TYPE,
                 ),
                 "hook-result": _message(

@@ -76,7 +76,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from publisher import AgentSettings  # noqa: E402
-from schemas import ConfigError  # noqa: E402
+from publisher._settings import MIN_HEARTBEAT_INTERVAL  # noqa: E402
+from schemas import LIVENESS_PER_HEARTBEAT, MAX_HEARTBEAT_INTERVAL, ConfigError  # noqa: E402
 from tests.benchmarks._fleet_workers import worker  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
@@ -774,9 +775,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--heartbeat-interval", type=float, default=defaults.heartbeat_interval,
-        help="seconds an agent stays quiet before it sends a heartbeat, 1 to 3600 (the "
-        "agent's default: 60); the agents declare it, and the approver counts each live for 2.5 "
-        "of them",
+        help="seconds an agent stays quiet before it sends a heartbeat, "
+        f"{MIN_HEARTBEAT_INTERVAL:g} to {MAX_HEARTBEAT_INTERVAL:.0f} (the agent's default: 60); "
+        "the agents declare it, and the "
+        f"approver counts each live for {LIVENESS_PER_HEARTBEAT:g} of them",
     )  # fmt: skip
     parser.add_argument("--sim-shards", type=int, default=0, help="default: by polls a second")
     parser.add_argument("--agent-workers", type=int, default=0, help="default: by VMs")

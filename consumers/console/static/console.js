@@ -103,7 +103,7 @@
   function agentStatus(agent) {
     if (!agent) return "unknown";
     if (!agent.online) return "offline";
-    // Its own liveness (2.5 of the heartbeat intervals it declares) when the server sent one.
+    // Its own liveness (from the heartbeat interval it declares) when the server sent one.
     const liveness = agent.liveness || state.liveness;
     return serverNow() - Date.parse(agent.last_seen) > liveness * 1000 ? "silent" : "online";
   }
@@ -472,7 +472,7 @@
     const counts = { online: 0, silent: 0, offline: 0 };
     for (const status of state.agentStatus.values()) counts[status] = (counts[status] || 0) + 1;
     $("agent-summary").textContent =
-      `${counts.online} online, ${counts.silent} silent, ${counts.offline} offline (silent: not heard for ${state.liveness} s, or 2.5 of the heartbeat intervals an agent declares if longer)`;
+      `${counts.online} online, ${counts.silent} silent, ${counts.offline} offline (silent: not heard for ${state.liveness} s, or longer where an agent declares a longer heartbeat interval)`;
   }
 
   function tick() {
