@@ -193,8 +193,12 @@ CHECKPOINT_SECONDS = 1.0
 
 
 def _locked(exc: sqlite3.Error) -> bool:
-    """Whether SQLite refused because another connection holds the file (BUSY, LOCKED)."""
-    return getattr(exc, "sqlite_errorcode", None) in _BUSY
+    """Whether SQLite refused because another connection holds the file (BUSY, LOCKED, and
+    their extended codes, which Python reports: BUSY_RECOVERY while another process recovers
+    the write-ahead log, BUSY_SNAPSHOT, LOCKED_SHAREDCACHE...; the primary code is their low
+    byte)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF in _BUSY
 
 
 def _sqlite_failure(display: str, exc: sqlite3.Error) -> RelayError:

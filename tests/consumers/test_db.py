@@ -213,6 +213,35 @@ async def test_a_time_written_unpadded_by_an_earlier_version_still_reads(stored,
     assert as_time(stored) == moment
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param(5, id="BUSY"),
+        pytest.param(261, id="BUSY_RECOVERY"),
+        pytest.param(517, id="BUSY_SNAPSHOT"),
+        pytest.param(773, id="BUSY_TIMEOUT"),
+        pytest.param(6, id="LOCKED"),
+        pytest.param(262, id="LOCKED_SHAREDCACHE"),
+    ],
+)
+async def test_sqlite_s_extended_busy_codes_are_another_process_holding_the_file(code):
+    """Python reports SQLite's extended result code: a file another process is recovering
+    (BUSY_RECOVERY, after a crash with the write-ahead log left) was "not a usable SQLite
+    database" at open, a settings error (exit 2, systemd leaves the service stopped), where
+    plain BUSY is a passing failure. SQLite raises these only in races a test cannot arrange,
+    so the error is built here with the code SQLite gives it."""
+    import sqlite3
+
+    from consumers._db import _locked
+
+    error = sqlite3.OperationalError("database is locked")
+    error.sqlite_errorcode = code  # type: ignore[attr-defined]
+    assert _locked(error)
+    other = sqlite3.OperationalError("file is not a database")
+    other.sqlite_errorcode = 26  # type: ignore[attr-defined]  # SQLITE_NOTADB
+    assert not _locked(other)
+
+
 async def test_a_sqlite_file_another_process_keeps_locked_is_a_passing_failure_not_a_setting(
     tmp_path,
 ):
