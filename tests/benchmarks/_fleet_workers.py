@@ -221,6 +221,25 @@ _LIMITER_WAITS: dict[str, list[float]] = {"GET": [], "POST": []}
 _EXCHANGES: dict[str, list[float]] = {}
 
 
+#: (VM, event id, kind) of each transition the agents of this process published (confirmed),
+#: so that the run can tell a transition lost on the way from one no poll of the VM saw.
+_PUBLISHED: set[tuple[str, str, str]] = set()
+_TRANSITION_KINDS = frozenset({"scheduled", "started", "completed", "canceled", "updated"})
+
+
+def _record_publishes(transport: Any) -> None:
+    original = transport.publish
+
+    async def publish(message: Any) -> None:
+        await original(message)
+        body = json.loads(message.body)
+        kind = body["type"].rsplit(".", 1)[-1]
+        if kind in _TRANSITION_KINDS and body.get("subject"):
+            _PUBLISHED.add((body["data"]["vm"]["name"].casefold(), body["subject"], kind))
+
+    transport.publish = publish
+
+
 def _trace_publishes(transport: Any) -> None:
     from datetime import datetime
 
@@ -360,6 +379,7 @@ async def run_agents(spec: dict[str, Any]) -> None:
             transport = open_transport(spec["broker"], channels, name=f"fleet agents {n}")
             await transport.connect()
             transports.append(transport)
+            _record_publishes(transport)
             if os.environ.get("FLEET_TRACE"):
                 _trace_publishes(transport)
     if os.environ.get("FLEET_TRACE"):
@@ -478,6 +498,8 @@ async def run_agents(spec: dict[str, Any]) -> None:
         imds_errors=errors,
         peak_rps=max(a.limiter.peak for a in agents),
         loop_lag=lag.report(),
+        # Only known where the agents share transports (each its own: made inside the agent).
+        published_transitions=[list(key) for key in _PUBLISHED] if shared else None,
     )
 
 
