@@ -235,10 +235,10 @@ async def test_sqlite_s_extended_busy_codes_are_another_process_holding_the_file
     from consumers._db import _locked
 
     error = sqlite3.OperationalError("database is locked")
-    error.sqlite_errorcode = code  # type: ignore[attr-defined]
+    error.sqlite_errorcode = code
     assert _locked(error)
     other = sqlite3.OperationalError("file is not a database")
-    other.sqlite_errorcode = 26  # type: ignore[attr-defined]  # SQLITE_NOTADB
+    other.sqlite_errorcode = 26  # SQLITE_NOTADB
     assert not _locked(other)
 
 
