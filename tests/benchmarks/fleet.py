@@ -184,8 +184,9 @@ class Result:
     lost: int = 0
     lost_by_kind: dict[str, int] = field(default_factory=dict)
     #: Of ``lost``, how many no agent published (no poll of the VM saw that state: a Started
-    #: shorter than the gap between two polls); None where the agents' transports are their
-    #: own and what they published is not recorded.
+    #: shorter than the gap between two polls; or its agent still held it when the run
+    #: stopped); None where the agents' transports are their own and what they published is
+    #: not recorded.
     lost_unpublished: int | None = None
     duplicates_to_handlers: int = 0
     wrong_posts: int = 0
@@ -689,7 +690,8 @@ def _lost_split(result: Result) -> str:
     unpublished = result.lost_unpublished
     return (
         f" ({result.lost - unpublished} published by an agent and not handled, {unpublished} "
-        "never published: no poll of the VM saw that state)"
+        "never published: no poll of the VM saw that state, or its agent still held it when "
+        "the run stopped)"
     )
 
 
