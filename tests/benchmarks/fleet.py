@@ -95,6 +95,10 @@ AGENTS_PER_WORKER = 1250
 SHORT, LONG = 5, 30
 
 
+#: The longest time limit, ramp or settle a run takes (seconds): a day.
+MAX_RUN_SECONDS = 86_400.0
+
+
 @dataclass(frozen=True)
 class Plan:
     vms: int = 2000
@@ -871,6 +875,18 @@ def main(argv: list[str] | None = None) -> int:
         agents_nice=args.agents_nice,
         central_nice=args.central_nice,
     )
+    # The run's own times, refused before anything starts: a NaN or infinite limit made the
+    # Freezes' NotBefore (past the limit) a traceback once the fleet was up, and 1e300 ended the
+    # simulator; a negative one ran a fleet to report nothing.
+    for name, value, least in (
+        ("--timeout", plan.timeout, 1.0),
+        ("--ramp", plan.ramp, 0.0),
+        ("--settle", plan.settle, 0.0),
+    ):
+        if not (math.isfinite(value) and least <= value <= MAX_RUN_SECONDS):
+            parser.error(
+                f"{name} must be {least:g} to {MAX_RUN_SECONDS:.0f} seconds, got {value!r}"
+            )
     try:  # the agents' settings, refused here rather than by every agent process
         AgentSettings(
             broker="memory://fleet-check",
