@@ -688,7 +688,7 @@ def _account(
 
 def _lost_split(result: Result) -> str:
     """What the lost were: published by an agent and never handled (the system lost them), or
-    never published (no poll of the VM saw that state)."""
+    never published (no poll of the VM saw that state, or its agent still held it)."""
     if not result.lost or result.lost_unpublished is None:
         return ""
     unpublished = result.lost_unpublished
