@@ -365,6 +365,9 @@ class FleetStream:
         self._flushing = asyncio.Lock()
         #: The flusher's flush, which a stop lets finish (within ``stop_grace``).
         self._background_flush: asyncio.Future[None] | None = None
+        #: Set when something waits for the flusher (a handled message to commit or ack, a
+        #: batch whose commit is under way): an idle stream's flusher sleeps until then.
+        self._flush_due = asyncio.Event()
         self._routes: list[_Route] = []
         self._subscription: Subscription | None = None
         self._iterator: AsyncIterator[Delivery] | None = None
@@ -979,6 +982,7 @@ class FleetStream:
         self.stats.handled += 1
         if not self._unacked:
             self._batch_began = time.monotonic()
+            self._flush_due.set()
         self._unacked.append(delivery)
         later = self.before_ack is not None or _acks_through(delivery)
         if batch and self.ack_batch > 1 and later:
@@ -1082,14 +1086,19 @@ class FleetStream:
                 await self._complete(previous)
             if self.pipeline and not wait:
                 self._inflight = step
+                self._flush_due.set()
                 return
             await self._complete(step)
 
     async def _flush_regularly(self) -> None:
         """Flush once the stream waits for its next delivery (nothing left to read: what it
         handled is committed now), or once a batch's first message waited ``ack_max_delay``
-        while a backlog kept the stream reading; a full batch flushes as it fills."""
+        while a backlog kept the stream reading; a full batch flushes as it fills. With nothing
+        to commit or ack it sleeps until there is (an idle consumer sets no timer)."""
         while True:
+            if not (self._unacked or self._unremembered or self._inflight is not None):
+                self._flush_due.clear()
+                await self._flush_due.wait()
             await asyncio.sleep(self.ack_interval)
             idle = self._waiting
             if idle or self._overdue():
