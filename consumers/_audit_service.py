@@ -13,6 +13,12 @@ contradicts the ledger is found in that INSERT, after its batch was handled: the
 not acked, and when the broker delivers it again, each message that may be recorded already (a
 redelivery, or one found contradicting) is compared with the ledger before it is accepted, so
 the contradicting one is dead-lettered and the others are acked.
+
+The audit is on no decision's way, so a batch waits for more a while (``LINGER``) once there is
+nothing more to read: a wave reaches the audit a few messages at a time, and each few was a
+commit of its own, on the CPU the approver beside it needed (in a 10,000-VM wave on one machine,
+8,075 commits). The ledger is then up to ``LINGER`` behind the stream; a stop commits and acks
+what is handled first.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ from ._stream import DeadLetterReason, FleetStream, Rejected, message_key
 __all__ = ["AuditService"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a batch waits for more once the stream has nothing more to read (the approver's
+#: stream: 0.02, its decisions' approvals go out after the commit).
+LINGER = 0.25
 
 
 class LedgerConflict(RelayError):
@@ -55,6 +65,7 @@ class AuditService:
             verifier=verifier,
             newer=self.handle,
             before_ack=self.commit,
+            ack_interval=LINGER,
         )
         self.stream.add_handler(self.handle)
         self.appended = 0

@@ -402,3 +402,46 @@ async def test_a_vm_message_never_reads_as_a_decision_in_the_history(tmp_path):
     message = decode_newer(json.dumps(envelope).encode())
     async with open_ledger(f"sqlite:///{tmp_path / 'a.db'}") as ledger:
         assert await ledger.append(message) is Appended.NEW
+
+
+async def test_a_trickle_is_stored_in_a_few_appends_not_one_for_every_few_messages(tmp_path):
+    """The audit is on no decision's way: it lets what it handled wait a quarter of a second
+    for more before it stores and acks it. A wave reaches it a few messages at a time (the
+    agents detect their events over a poll interval) and it stored each few in a write of its
+    own (in a 10,000-VM wave 8,075 of them, each a commit to disk and a trip to the database's
+    thread), on the CPU the approver needed beside it."""
+    import uuid
+
+    from consumers._audit_service import AuditService
+    from schemas.transport import MemoryTransport
+    from schemas.wire import lifecycle_message
+
+    async with (
+        MemoryTransport(f"audit-{uuid.uuid4().hex}") as transport,
+        open_ledger(f"sqlite:///{tmp_path / 'audit.db'}") as ledger,
+    ):
+        service = AuditService(transport, ledger)
+        await transport.declare_group("audit")
+        appends: list[int] = []
+        append_many = ledger.append_many
+
+        async def counted(batch):  # type: ignore[no-untyped-def]
+            appends.append(len(batch))
+            return await append_many(batch)
+
+        ledger.append_many = counted  # type: ignore[method-assign]
+        runner = asyncio.create_task(service.run())
+        try:
+            for index in range(60):  # two every 20 ms, for 0.6 s
+                await transport.publish(lifecycle_message(heartbeat(vm(f"web-{index}"))))
+                if index % 2:
+                    await asyncio.sleep(0.02)
+            async with asyncio.timeout(10):
+                while await ledger.count() < 60:  # noqa: ASYNC110 - the ledger is the outcome
+                    await asyncio.sleep(0.05)
+        finally:
+            service.stop()
+            await asyncio.wait_for(runner, 5)
+        assert transport.broker.depth("audit") == 0  # every one acked
+    assert sum(appends) == 60
+    assert len(appends) <= 6, f"{len(appends)} appends of {appends}"
