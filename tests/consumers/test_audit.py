@@ -425,7 +425,7 @@ async def test_a_trickle_is_stored_in_a_few_appends_not_one_for_every_few_messag
         appends: list[int] = []
         append_many = ledger.append_many
 
-        async def counted(batch):  # type: ignore[no-untyped-def]
+        async def counted(batch):
             appends.append(len(batch))
             return await append_many(batch)
 

@@ -440,7 +440,7 @@ async def test_an_idle_stream_sets_no_timer_while_it_has_nothing_to_commit(trans
             timers.append(when)
             return call_at(when, *args, **kwargs)
 
-        loop.call_at = counting_call_at  # type: ignore[method-assign]
+        loop.call_at = counting_call_at  # type: ignore[method-assign,assignment]
         try:
             await asyncio.sleep(1.0)  # one timer: this test's own
         finally:
