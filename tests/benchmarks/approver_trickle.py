@@ -110,7 +110,7 @@ async def measure(store: str, args: argparse.Namespace) -> Figures:
                 )
                 reply = transport.reply_address("x").channel
 
-                def wire() -> list[OutgoingMessage]:  # new VMs and events each time
+                def wire() -> list[OutgoingMessage]:  # new events each time (the same VM names)
                     bodies = flood_messages(args.messages, reply, "bench-approver")
                     return [lifecycle_message(decode(body)) for body in bodies]
 
