@@ -20,7 +20,7 @@ from publisher.simulator import EventSpec, EventStatus, EventType
 from schemas import MessageType
 from tests.transport.proxy import TcpProxy
 
-from .harness import Recorder, recorder, running, settings_for, simulator_server
+from .harness import Recorder, eventually, recorder, running, settings_for, simulator_server
 
 pytestmark = [pytest.mark.rabbitmq]
 
@@ -63,7 +63,13 @@ async def test_sigkill_at_random_points_loses_nothing(
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     channels = ChannelNames().suffixed(unique)
-    log = tmp_path / "agent.log"
+    # One log a process: the test must know when the last one is ready, not just any.
+    logs = [tmp_path / f"agent-{n}.log" for n in range(5)]
+
+    def tails() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in logs if p.exists())
+
+    kills = sorted(rng.uniform(0.3, 9.5) for _ in range(4))
     try:
         async with (
             simulator_server("web-7") as server,
@@ -79,17 +85,16 @@ async def test_sigkill_at_random_points_loses_nothing(
                 "--drain-timeout", "5",
                 "--log-level", "DEBUG",
             ]  # fmt: skip
-            process = await _spawn(args, log)
-            kills = sorted(rng.uniform(0.3, 9.5) for _ in range(4))
+            process = await _spawn(args, logs[0])
 
             async def killer() -> int:
                 nonlocal process
                 began = time.monotonic()
-                for at in kills:
+                for n, at in enumerate(kills, start=1):
                     await asyncio.sleep(max(0.0, at - (time.monotonic() - began)))
                     process.kill()
                     await process.wait()
-                    process = await _spawn(args, log)
+                    process = await _spawn(args, logs[n])
                 return len(kills)
 
             kill_task = asyncio.create_task(killer())
@@ -120,6 +125,10 @@ async def test_sigkill_at_random_points_loses_nothing(
                 within=20,
             )
             await rec.wait_kind(MessageType.CANCELED, within=10)
+            # The stream may be whole before the last process has started (its predecessors
+            # published everything): a SIGTERM while it still asks IMDS who it is stops it
+            # before it has said agent.online, and then it says no agent.offline either.
+            await eventually(lambda: "agent ready" in logs[-1].read_text(), within=20)
             process.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(process.wait(), 20) == 0
             await rec.wait_kind(MessageType.AGENT_OFFLINE, within=10)
@@ -129,11 +138,7 @@ async def test_sigkill_at_random_points_loses_nothing(
             b.event_id: ["started", "completed"],
             c.event_id: ["scheduled", "canceled"],
         }
-        try:
-            _check_stream(rec, expected)
-        except AssertionError:
-            print(f"seed {seed}, kills at {kills}\n{log.read_text()[-5000:]}")
-            raise
+        _check_stream(rec, expected)
         # One state dir, one sequence: first deliveries arrive in sequence order, no number
         # is given twice, whatever the kills.
         first: dict[str, int] = {}
@@ -143,6 +148,9 @@ async def test_sigkill_at_random_points_loses_nothing(
         assert sequences == sorted(sequences)
         assert len(set(sequences)) == len(sequences)
         assert rec.of(MessageType.AGENT_ONLINE)
+    except BaseException:
+        print(f"seed {seed}, kills at {kills}\n{tails()}")
+        raise
     finally:
         if process.returncode is None:
             process.kill()
