@@ -508,13 +508,17 @@ class FleetStream:
         return (
             self._waiting
             and not self._broken
-            and not self._unacked
-            and not self._unremembered
-            and self._inflight is None
+            and not self._to_commit
             and not self._held
             and not self._redeliver
             and not self._replay_due
         )
+
+    @property
+    def _to_commit(self) -> bool:
+        """Whether handled deliveries wait for their commit or their ack (a batch filling, or
+        one whose commit is under way)."""
+        return bool(self._unacked or self._unremembered or self._inflight is not None)
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after the message in hand (at once when idle)."""
@@ -1096,7 +1100,7 @@ class FleetStream:
         while a backlog kept the stream reading; a full batch flushes as it fills. With nothing
         to commit or ack it sleeps until there is (an idle consumer sets no timer)."""
         while True:
-            if not (self._unacked or self._unremembered or self._inflight is not None):
+            if not self._to_commit:
                 self._flush_due.clear()
                 await self._flush_due.wait()
             await asyncio.sleep(self.ack_interval)
