@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher import Agent, AgentSettings
+from publisher._settings import ENV_PREFIX
 from publisher.simulator import Simulator, SimulatorConfig, SimulatorServer, serve
 from schemas import (
     Approval,
@@ -135,6 +138,20 @@ async def running(settings: AgentSettings, *, ready_timeout: float = 15.0) -> As
         agent.stop("test over")
         async with asyncio.timeout(20):
             await task
+
+
+async def spawn_agent(args: Sequence[str], log: Path) -> asyncio.subprocess.Process:
+    """``python -m publisher`` with ``args``, its stderr appended to ``log``, without the
+    caller's ``SCHEDULED_EVENTS_*`` settings (the agent's environment variables: a developer's
+    own would change what the test runs)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    with log.open("ab") as stderr:  # the child keeps its own copy of the descriptor
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "publisher", *args,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+        )  # fmt: skip
 
 
 async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:

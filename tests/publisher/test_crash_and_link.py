@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import signal
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -20,7 +18,15 @@ from publisher.simulator import EventSpec, EventStatus, EventType
 from schemas import MessageType
 from tests.transport.proxy import TcpProxy
 
-from .harness import Recorder, eventually, recorder, running, settings_for, simulator_server
+from .harness import (
+    Recorder,
+    eventually,
+    recorder,
+    running,
+    settings_for,
+    simulator_server,
+    spawn_agent,
+)
 
 pytestmark = [pytest.mark.rabbitmq]
 
@@ -38,17 +44,6 @@ def _check_stream(rec: Recorder, expected: dict[str, list[str]]) -> None:
         if message.kind.is_transition:
             per_event[message.subject or ""].append(message.kind.value)
     assert dict(per_event) == expected
-
-
-async def _spawn(args: list[str], log: Path) -> asyncio.subprocess.Process:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SE_RELAY_")}
-    with log.open("ab") as stderr:  # the child keeps its own copy of the descriptor
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "publisher", *args,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=stderr,
-            env=env,
-        )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -85,7 +80,7 @@ async def test_sigkill_at_random_points_loses_nothing(
                 "--drain-timeout", "5",
                 "--log-level", "DEBUG",
             ]  # fmt: skip
-            process = await _spawn(args, logs[0])
+            process = await spawn_agent(args, logs[0])
 
             async def killer() -> int:
                 nonlocal process
@@ -94,7 +89,7 @@ async def test_sigkill_at_random_points_loses_nothing(
                     await asyncio.sleep(max(0.0, at - (time.monotonic() - began)))
                     process.kill()
                     await process.wait()
-                    process = await _spawn(args, logs[n])
+                    process = await spawn_agent(args, logs[n])
                 return len(kills)
 
             kill_task = asyncio.create_task(killer())

@@ -9,7 +9,6 @@ HTTP; RabbitMQ where the broker's redelivery is the point."""
 from __future__ import annotations
 
 import asyncio
-import os
 import sqlite3
 import sys
 import uuid
@@ -36,28 +35,15 @@ from schemas.wire import approval_message
 
 from .harness import (
     Recorder,
+    eventually,
     recorder,
     running,
     settings_for,
     signed_approval,
     simulator_server,
+    spawn_agent,
     version_of,
 )
-
-
-async def _spawn(args: list[str], log: Path) -> asyncio.subprocess.Process:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULED_EVENTS_")}
-    with log.open("ab") as stderr:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "publisher", *args,
-            stdout=asyncio.subprocess.DEVNULL, stderr=stderr, env=env,
-        )  # fmt: skip
-
-
-async def _wait_for_text(path: Path, text: str, within: float = 20) -> None:
-    async with asyncio.timeout(within):
-        while text not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes
-            await asyncio.sleep(0.05)
 
 
 async def _outcomes(
@@ -112,7 +98,7 @@ async def test_a_hook_cut_off_by_a_kill_is_reported_interrupted_or_run_again(
     spawned: list[asyncio.subprocess.Process] = []
 
     async def spawn(args: list[str]) -> asyncio.subprocess.Process:
-        process = await _spawn(args, log)
+        process = await spawn_agent(args, log)
         spawned.append(process)
         return process
 
@@ -318,8 +304,8 @@ async def test_an_agent_killed_between_its_post_and_the_outcome_reports_it_appli
             sim = server.simulator
             event = sim.add_event(EventSpec(event_type=EventType.FREEZE, not_before_seconds=900))
             args = _args(server, "web-7", amqp_url, unique, state, "--trust-key", str(public))
-            process = await _spawn(args, log)
-            await _wait_for_text(log, "agent ready")
+            process = await spawn_agent(args, log)
+            await eventually(lambda: "agent ready" in log.read_text(), 20)
             # IMDS takes 5 s to answer the POST: the agent is killed while it waits.
             sim.add_fault(
                 FaultSpec(vm="web-7", endpoint="scheduledevents", method="POST", delay_seconds=5)
@@ -351,7 +337,7 @@ async def test_an_agent_killed_between_its_post_and_the_outcome_reports_it_appli
             process.kill()
             await process.wait()
             await sim.wait_for_state(event.event_id, EventState.STARTED, within=10)
-            process = await _spawn(args, log)
+            process = await spawn_agent(args, log)
             try:
                 (outcome,) = await _outcomes(rec, approval.approval_id)
                 await asyncio.sleep(1.0)  # the redelivered approval: acked, not reported again
