@@ -58,13 +58,14 @@ async def test_sigkill_at_random_points_loses_nothing(
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     channels = ChannelNames().suffixed(unique)
-    # One log a process: the test must know when the last one is ready, not just any.
-    logs = [tmp_path / f"agent-{n}.log" for n in range(5)]
+    kills = sorted(rng.uniform(0.3, 9.5) for _ in range(4))
+    # One log a process (the first, and one after each kill): the test must know when the
+    # last one is ready, not just any.
+    logs = [tmp_path / f"agent-{n}.log" for n in range(len(kills) + 1)]
 
     def tails() -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in logs if p.exists())
 
-    kills = sorted(rng.uniform(0.3, 9.5) for _ in range(4))
     try:
         async with (
             simulator_server("web-7") as server,
