@@ -14,6 +14,13 @@ the first message to the last ack.
 ``--rounds N`` fills and drains the queues N times and prints each round (the machine is shared:
 one round is one sample).
 
+Beside each rate it prints the CPU this process spent a message while that consumer drained its
+queue (every consumer runs here, one after another), and once the cost of
+:func:`schemas.decode` alone on the same bodies (no broker): what FleetStream must spend on
+every message whatever else it does, since no input is trusted before it is checked. FleetStream
+reaches a share ``r`` of the ceiling only if its CPU a message is at most the ceiling's divided
+by ``r``; the last lines say what that leaves for FleetStream's own work at 80 %.
+
 Prints figures; asserts nothing (a benchmark, not a test).
 """
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import sys
@@ -220,6 +228,23 @@ async def stream(
         return total / elapsed, stats
 
 
+def cpu_per_message(started: float, total: int) -> float:
+    """Microseconds of this process's CPU a message since ``started`` (``time.process_time``)."""
+    return (time.process_time() - started) / total * 1e6
+
+
+def decode_cost(bodies: list[bytes], rounds: int = 3) -> float:
+    """Microseconds of CPU a message that :func:`schemas.decode` takes alone, the best of
+    ``rounds`` passes over ``bodies`` (nothing kept: no collector work from a growing heap)."""
+    best = math.inf
+    for _ in range(rounds):
+        started = time.process_time()
+        for body in bodies:
+            decode(body)
+        best = min(best, cpu_per_message(started, len(bodies)))
+    return best
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=20_000)
@@ -234,6 +259,8 @@ async def main() -> None:
     transport = open_transport(URL, channels)
     assert isinstance(transport, RabbitMQTransport)
     ratios: list[float] = []
+    decoding = decode_cost([lifecycle_message(m).body for m in messages])
+    print(f"decoding and validating alone (schemas.decode, no broker): {decoding:.1f} µs a message")
     async with transport:
         for group in groups:
             await transport.declare_group(group)
@@ -250,18 +277,42 @@ async def main() -> None:
                 )
                 # The stream's own ack batch, for a like-for-like ceiling.
                 ack_batch = max(1, min(128, args.prefetch // 2))
+                cpu = time.process_time()
                 ceiling = await raw(
                     URL, transport.group_queue("raw"), total, args.prefetch, ack_batch
                 )
-                print(f"raw aiormq (ceiling), prefetch {args.prefetch:<4} {ceiling:9.0f} msg/s")
+                raw_cpu = cpu_per_message(cpu, total)
+                print(
+                    f"raw aiormq (ceiling), prefetch {args.prefetch:<4} {ceiling:9.0f} msg/s  "
+                    f"{raw_cpu:6.1f} µs CPU a message"
+                )
+                cpu = time.process_time()
                 naive_rate = await naive(URL, transport.group_queue("naive"), total, args.prefetch)
-                print(f"naive aio-pika, prefetch {args.prefetch:<4}  {naive_rate:9.0f} msg/s")
+                print(
+                    f"naive aio-pika, prefetch {args.prefetch:<4}  {naive_rate:9.0f} msg/s  "
+                    f"{cpu_per_message(cpu, total):6.1f} µs CPU a message"
+                )
+                cpu = time.process_time()
                 naive1 = await naive(URL, transport.group_queue("naive-p1"), total, 1)
-                print(f"naive aio-pika, prefetch 1     {naive1:9.0f} msg/s")
+                print(
+                    f"naive aio-pika, prefetch 1     {naive1:9.0f} msg/s  "
+                    f"{cpu_per_message(cpu, total):6.1f} µs CPU a message"
+                )
+                cpu = time.process_time()
                 rate, stats = await stream(URL, channels, "stream", total, args.prefetch, distinct)
+                stream_cpu = cpu_per_message(cpu, total)
                 print(
                     f"FleetStream, prefetch {args.prefetch:<4}     {rate:9.0f} msg/s  "
+                    f"{stream_cpu:6.1f} µs CPU a message "
                     f"({stats['handled']} handled, {stats['duplicates']} repeats dropped)"
+                )
+                # At 80 % of the ceiling FleetStream may spend the ceiling's CPU / 0.8 a
+                # message: a quarter of the ceiling's on top of it, for all its own work.
+                budget = raw_cpu / 0.8 - raw_cpu
+                print(
+                    f"FleetStream's own CPU a message: {stream_cpu - raw_cpu:.1f} µs over the "
+                    f"ceiling's; 80 % of the ceiling leaves it {budget:.1f} µs, and decoding "
+                    f"alone takes {decoding:.1f}"
                 )
                 ratios.append(rate / ceiling)
                 print(
